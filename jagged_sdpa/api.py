@@ -1,0 +1,370 @@
+"""The public functions: validate -> host read -> spec -> select -> run -> unpack.
+
+Argument normalisation and the order of operations live here; no backend-specific rule does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa import layout
+from jagged_sdpa._autograd import run
+from jagged_sdpa.backends import IMPLS, Backend
+from jagged_sdpa.checks import inputs
+from jagged_sdpa.selection import Explanation, choose, select, to_backend
+from jagged_sdpa.spec import AttnSpec, PackedCall
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _forced(backend) -> Optional[Backend]:
+    return None if backend is None else to_backend(backend)
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa
+
+
+def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                  causal_alignment, window_size, softcap, alibi_slopes, backend):
+    """Validate an sdpa call and build its PackedCall; returns (call, forced, notes)."""
+    inputs.validate_attn_mask(attn_mask)
+    inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
+    inputs.validate_bool("is_causal", is_causal)
+    forced = _forced(backend)
+    alignment = inputs.validate_alignment(causal_alignment)
+    window = inputs.validate_window(window_size)
+    cap = inputs.validate_softcap(softcap, zero_means_off=False)
+    p = inputs.validate_dropout(dropout_p)
+    batch, heads_q, _, head_dim = query.shape
+    sm_scale = inputs.validate_scale("scale", scale, head_dim)
+    alibi = inputs.validate_alibi(alibi_slopes, heads_q, batch, query.device)
+
+    notes = []
+    kv_dense = not key.is_nested
+    # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all).
+    njts = {"query": query}
+    if not kv_dense:
+        njts["key"] = key
+        if value.offsets() is not key.offsets() or value.lengths() is not None:
+            njts["value"] = value
+    tensors, slots = [], {}
+    for name, njt in njts.items():
+        parts = [njt.offsets()] + ([njt.lengths()] if njt.lengths() is not None else [])
+        slots[name] = (len(tensors), len(parts))
+        tensors += parts
+    given_q = layout.njt_cached_max_seqlen(query)
+    given_k = key.shape[2] if kv_dense else layout.njt_cached_max_seqlen(key)
+    has_holes = any(n == 2 for _, n in slots.values())
+    read = has_holes or layout.host_read_needed(query.device, given_q, given_k)
+    host = layout.read_host(*tensors) if read else None
+
+    def host_of(name):
+        if host is None:
+            return None, None
+        i, n = slots[name]
+        return host[i], (host[i + 1] if n == 2 else None)
+
+    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes)
+    if kv_dense:
+        seq_k = key.shape[2]
+        k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
+        if key.shape[1] > 1:
+            notes.append("dense key/value copied into packed (B*S, Hkv, D) buffers")
+        cu_k = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_k
+        stats_k = layout.SeqlenStats(tuple(b * seq_k for b in range(batch + 1)), seq_k, seq_k == 0 and batch > 0)
+    else:
+        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes)
+        if "value" in njts:
+            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes)
+            if stats_v.cu_host is not None and _lengths(stats_v.cu_host) != _lengths(stats_k.cu_host):
+                raise ValueError("key and value must have the same ragged structure (sequence lengths)")
+        else:
+            v_packed, _ = layout.njt_packed(value)
+    spec = AttnSpec(
+        entry="sdpa",
+        device_type=query.device.type,
+        capability=_capability(query.device),
+        dtype=query.dtype,
+        batch=batch,
+        heads_q=heads_q,
+        heads_kv=key.shape[1],
+        head_dim=head_dim,
+        head_dim_v=value.shape[-1],
+        total_q=q_packed.shape[0],
+        total_k=k_packed.shape[0],
+        max_seqlen_q=stats_q.max_seqlen,
+        max_seqlen_k=stats_k.max_seqlen,
+        has_empty_q=stats_q.has_empty,
+        has_empty_k=stats_k.has_empty,
+        lengths_known=read,
+        kv_dense=kv_dense,
+        causal=is_causal,
+        alignment=alignment,
+        window=window,
+        softcap=cap,
+        alibi=alibi,
+        dropout_p=p,
+        scale=sm_scale,
+        needs_grad=_needs_grad(query, key, value),
+        return_lse=False,
+        last_dim_contiguous=layout.last_dim_contiguous(q_packed, k_packed, v_packed),
+        row_stride_align=layout.row_stride_align(q_packed, k_packed, v_packed),
+    )
+    call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
+                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
+    return call, forced, tuple(notes)
+
+
+def _lengths(cu: tuple[int, ...]) -> list[int]:
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes):
+    """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
+    if lengths_host is None:
+        packed, _ = layout.njt_packed(njt)
+        stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max)
+        return packed, stats, layout.njt_cu_seqlens(njt)
+    # An NJT with holes: each sequence b is values[offsets[b] : offsets[b] + lengths[b]].
+    n_values = njt.transpose(1, 2).values().shape[0] if njt.requires_grad else njt._values.shape[1]
+    for b, (o, n) in enumerate(zip(offsets_host, lengths_host)):
+        if o < 0 or n < 0 or o + n > n_values:
+            raise ValueError(f"{name} has a hole-y sequence {b} (offset {o}, length {n}) outside its {n_values} values")
+    packed, _ = layout.njt_packed(njt, (offsets_host, lengths_host))
+    notes.append(f"{name} has holes (lengths()): gathered into a packed copy")
+    cu = [0]
+    for n in lengths_host:
+        cu.append(cu[-1] + n)
+    stats = layout.seqlen_stats(f"{name} lengths", cu, packed.shape[0], None)
+    return packed, stats, layout.njt_cu_seqlens(njt, tuple(cu))
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
+    """Scaled dot-product attention on jagged nested tensors, one sequence at a time, unpadded.
+
+    Shapes: query (B, Hq, j_q, D), the ``.transpose(1, 2)`` of a (B, j_q, Hq, D) jagged NJT; key
+    (B, Hkv, j_k, D) and value (B, Hkv, j_k, Dv) NJTs (j_k may differ from j_q), or dense
+    (B, Hkv, S, D) / (B, Hkv, S, Dv) tensors that every query sequence attends to. Returns an NJT
+    (B, Hq, j_q, Dv) sharing query's offsets. For every b the result equals dense SDPA on
+    sequence b alone.
+
+    Causal alignment for a sequence with 2 queries and 5 keys (1 = attended)::
+
+        top_left (default, PyTorch)     bottom_right (flash-attn, KV-cache decoding)
+            1 0 0 0 0                       1 1 1 1 0
+            1 1 0 0 0                       1 1 1 1 1
+
+    ``window_size=(left, right)`` keeps keys j with i' - left <= j <= i' + right (-1 unbounded),
+    i' the aligned query position; ``softcap`` maps scores to c * tanh(s / c) after scaling;
+    ``alibi_slopes`` (Hq,) or (B, Hq) float32 adds -slope * |i' - j|. Order: scale, softcap, ALiBi,
+    masks. A query row that sees no key outputs zeros. Dropout draws from PyTorch's default
+    generator. When the NJTs carry their max seqlen (they do when built by torch) and live on a
+    GPU, no host sync happens; on the CPU offsets are always read and validated.
+
+    Example::
+
+        q = torch.nested.nested_tensor([torch.randn(5, 8, 64), torch.randn(3, 8, 64)],
+                                       layout=torch.jagged).transpose(1, 2)
+        out = jagged_sdpa.sdpa(q, q, q, is_causal=True)
+
+    Raises:
+        TypeError: wrong kinds, layouts or dtypes. ValueError: shapes, sizes, devices, contents,
+        option values, non-None ``attn_mask``. NoBackendError: no backend (or the forced one)
+        can take the call; the message lists every backend's reasons.
+    """
+    call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        causal_alignment, window_size, softcap, alibi_slopes, backend)
+    chosen = choose(call.spec, forced, notes).chosen
+    result = run(IMPLS[chosen], call)
+    return layout.packed_to_njt(result.out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, return_lse, block_table, seqused_k, backend):
+    """Validate a varlen_attention call and build its PackedCall; returns (call, forced, notes)."""
+    inputs.validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+    inputs.validate_bool("causal", causal)
+    inputs.validate_bool("return_lse", return_lse)
+    forced = _forced(backend)
+    max_q = inputs.validate_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
+    window = inputs.validate_window(window_size)
+    cap = inputs.validate_softcap(softcap, zero_means_off=True)
+    p = inputs.validate_dropout(dropout_p)
+    sm_scale = inputs.validate_scale("softmax_scale", softmax_scale, q.shape[-1])
+    batch = cu_seqlens_q.shape[0] - 1
+    alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
+    paged = block_table is not None
+
+    read = layout.host_read_needed(q.device, max_q, max_k)
+    to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
+                                [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
+    host = layout.read_host(*to_read) if read else None
+    stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q)
+    seqused_host = None
+    if paged:
+        num_blocks, block_size = k.shape[0], k.shape[1]
+        capacity = [block_table.shape[1] * block_size] * batch
+        stats_k = layout.lengths_stats("seqused_k", host and host[2], capacity, max_k)
+        if host is not None:
+            seqused_host = tuple(host[2])
+            width = block_table.shape[1]
+            rows = [host[1][b * width:(b + 1) * width] for b in range(batch)]
+            inputs.validate_block_ids(rows, seqused_host, block_size, num_blocks)
+        cu_k_host = None
+    else:
+        block_size = 0
+        stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], None if seqused_k is not None else max_k)
+        cu_k_host = stats_k.cu_host
+        if seqused_k is not None:
+            capacity = _lengths(cu_k_host) if host is not None else None
+            stats_k = layout.lengths_stats("seqused_k", host and host[2], capacity, max_k)
+            seqused_host = tuple(host[2]) if host is not None else None
+    spec = AttnSpec(
+        entry="varlen",
+        device_type=q.device.type,
+        capability=_capability(q.device),
+        dtype=q.dtype,
+        batch=batch,
+        heads_q=q.shape[1],
+        heads_kv=k.shape[-2],
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        total_q=q.shape[0],
+        total_k=k.shape[0] * (k.shape[1] if paged else 1),
+        max_seqlen_q=stats_q.max_seqlen,
+        max_seqlen_k=stats_k.max_seqlen,
+        has_empty_q=stats_q.has_empty,
+        has_empty_k=stats_k.has_empty,
+        lengths_known=read,
+        causal=causal,
+        alignment="bottom_right",
+        window=window,
+        softcap=cap,
+        alibi=alibi,
+        dropout_p=p,
+        scale=sm_scale,
+        needs_grad=_needs_grad(q, k, v),
+        return_lse=return_lse,
+        last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
+        row_stride_align=layout.row_stride_align(q, k, v),
+        paged=paged,
+        block_size=block_size,
+        seqused_k=seqused_k is not None,
+    )
+    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
+                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
+    return call, forced, ()
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, return_lse=False, block_table=None, seqused_k=None, backend=None):
+    """Attention over packed variable-length sequences, with flash-attn's varlen semantics.
+
+    Shapes: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), Hq % Hkv == 0;
+    cu_seqlens_q/_k int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at
+    total_q/total_k (zero-length sequences allowed). Paged KV cache: k/v
+    (num_blocks, block_size, Hkv, D/Dv), ``block_table`` int32 (B, max_blocks), ``seqused_k``
+    int32 (B,) and ``cu_seqlens_k=None``.
+
+    ``causal=True`` is bottom-right aligned: query i of a sequence with Lq queries and Lk keys
+    sees keys j <= i + Lk - Lq (for Lq=2, Lk=5: rows ``1 1 1 1 0`` and ``1 1 1 1 1``).
+    ``window_size``, ``softcap`` (0 = off) and ``alibi_slopes`` use the same alignment.
+
+    Returns out (total_q, Hq, Dv), or (out, lse) with ``return_lse=True``, lse float32
+    (Hq, total_q) natural log. A row that sees no key outputs zeros and lse -inf.
+
+    Host syncs: ``max_seqlen_q/_k=None`` costs one device-to-host read (on the CPU, reading is
+    always done to validate cu_seqlens, and costs microseconds).
+
+    Example::
+
+        cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+        out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, 5, 5, causal=True)
+
+    Raises:
+        TypeError: wrong kinds or dtypes (cu_seqlens, block_table and seqused_k must be int32).
+        ValueError: shapes, sizes, contents, devices, option values, max_seqlen_* too small,
+        block ids out of range. NoBackendError: no backend (or the forced one) can take the call.
+    """
+    call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                          return_lse, block_table, seqused_k, backend)
+    chosen = choose(call.spec, forced, notes).chosen
+    result = run(IMPLS[chosen], call)
+    return (result.out, result.lse) if return_lse else result.out
+
+
+# ----------------------------------------------------------------------------------------------
+# explain
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_VARLEN_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def explain(*args, **kwargs) -> Explanation:
+    """Which backend a call of ``sdpa`` or ``varlen_attention`` would get, and why not the others.
+
+    Takes exactly the arguments of either function (a call with ``cu_seqlens_q``, or whose first
+    argument is not a nested tensor, is a varlen call), validates them like the call would, and
+    runs no attention kernel. ``e.chosen`` is the Backend or None, ``e.reasons`` maps every
+    backend to its list of reasons (empty = eligible), ``print(e)`` shows a table.
+    """
+    first = args[0] if args else kwargs.get("query", kwargs.get("q"))
+    is_varlen = "cu_seqlens_q" in kwargs or "q" in kwargs or not (isinstance(first, Tensor) and first.is_nested)
+    names = _VARLEN_ARGS if is_varlen else _SDPA_ARGS
+    if len(args) > len(names):
+        raise TypeError(f"explain takes at most {len(names)} positional arguments for this call, got {len(args)}")
+    bound = dict(zip(names, args))
+    for key in kwargs:
+        if key in bound:
+            raise TypeError(f"explain got multiple values for argument {key!r}")
+    bound.update(kwargs)
+    fn = _explain_varlen if is_varlen else _explain_sdpa
+    return fn(**bound)
+
+
+def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                  *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
+    call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        causal_alignment, window_size, softcap, alibi_slopes, backend)
+    return _with_notes(select(call.spec, forced), notes)
+
+
+def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    return_lse=False, block_table=None, seqused_k=None, backend=None):
+    call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                          return_lse, block_table, seqused_k, backend)
+    return _with_notes(select(call.spec, forced), notes)
+
+
+def _with_notes(explanation: Explanation, notes) -> Explanation:
+    if not notes:
+        return explanation
+    return Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen, tuple(notes))

@@ -1,0 +1,290 @@
+"""User-error validation: raise ``TypeError``/``ValueError`` naming the argument, before any kernel.
+
+Kinds and dtypes are ``TypeError``; shapes, sizes, devices, contents and option values are
+``ValueError``. Content checks of offsets (start at 0, non-decreasing, end at total) live in
+``layout.seqlen_stats``, the one place that reads them on the host. Nothing here returns reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa.spec import ALIGNMENTS
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+ATTN_MASK_ALTERNATIVES = "is_causal, window_size, alibi_slopes, softcap"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def validate_tensor(name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def validate_float_dtypes(names: tuple[str, ...], tensors: tuple[Tensor, ...]) -> None:
+    for name, t in zip(names, tensors):
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    first = tensors[0].dtype
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.dtype != first:
+            raise TypeError(f"{name} dtype {t.dtype} does not match {names[0]} dtype {first}")
+
+
+def validate_same_device(names: tuple[str, ...], tensors: tuple[Optional[Tensor], ...]) -> None:
+    device = tensors[0].device
+    for name, t in zip(names[1:], tensors[1:]):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {names[0]} is on {device}: all must be on one device")
+
+
+def validate_bool(name: str, x) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def validate_dropout(dropout_p) -> float:
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def validate_scale(name: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not _is_real(scale):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def validate_window(window_size) -> tuple[int, int]:
+    if window_size is None:
+        return (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints or None, got {window_size!r}")
+    left, right = window_size
+    if not (_is_int(left) and _is_int(right)):
+        raise TypeError(f"window_size must hold ints, got {window_size!r}")
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
+    return (int(left), int(right))
+
+
+def validate_softcap(softcap, *, zero_means_off: bool) -> float:
+    if softcap is None:
+        return 0.0
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    value = float(softcap)
+    if zero_means_off and value == 0.0:
+        return 0.0
+    if not (value > 0 and math.isfinite(value)):
+        expected = "> 0 (0 turns it off)" if zero_means_off else "> 0, or None"
+        raise ValueError(f"softcap must be finite and {expected}, got {softcap}")
+    return value
+
+
+def validate_alignment(causal_alignment) -> str:
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    return causal_alignment
+
+
+def validate_alibi(alibi_slopes, heads_q: int, batch: int, device: torch.device) -> Optional[str]:
+    """Return the ALiBi kind ("per_head" / "per_batch_head") or None."""
+    if alibi_slopes is None:
+        return None
+    validate_tensor("alibi_slopes", alibi_slopes)
+    if alibi_slopes.is_nested:
+        raise TypeError("alibi_slopes must be a dense float32 tensor, got a nested tensor")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but query is on {device}")
+    if tuple(alibi_slopes.shape) == (heads_q,):
+        return "per_head"
+    if tuple(alibi_slopes.shape) == (batch, heads_q):
+        return "per_batch_head"
+    raise ValueError(f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
+
+
+def validate_attn_mask(attn_mask) -> None:
+    if attn_mask is not None:
+        raise ValueError(
+            f"attn_mask must be None: arbitrary masks are not supported; use {ATTN_MASK_ALTERNATIVES} instead"
+        )
+
+
+def validate_heads(heads_q: int, heads_kv: int, *, gqa_allowed: bool, hint: str = "") -> None:
+    if heads_kv < 1 or heads_q < 1:
+        raise ValueError(f"head counts must be >= 1, got Hq={heads_q}, Hkv={heads_kv}")
+    if heads_q == heads_kv:
+        return
+    if not gqa_allowed:
+        raise ValueError(f"query has {heads_q} heads but key/value have {heads_kv}: pass enable_gqa=True{hint}")
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+
+
+def validate_max_seqlen(name: str, value) -> Optional[int]:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a Python int or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def validate_int32_vector(name: str, t, length: Optional[int], device: torch.device, what: str) -> None:
+    validate_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D ({what}), got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries ({what}), got {t.shape[0]}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa
+
+
+def validate_njt(name: str, x) -> None:
+    validate_tensor(name, x)
+    if not x.is_nested or x.layout != torch.jagged:
+        kind = "a strided nested tensor" if x.is_nested else "a dense tensor"
+        raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged, got {kind}")
+    if x.dim() != 4 or x._ragged_idx != 2:
+        raise ValueError(
+            f"{name} must have the (B, H, j, D) form with the ragged dim at position 2 "
+            f"(the .transpose(1, 2) of a (B, j, H, D) NJT), got shape {tuple(x.shape)}"
+        )
+
+
+def validate_sdpa_tensors(query, key, value, enable_gqa) -> None:
+    """Kinds, layouts, dtypes, devices and shapes of sdpa's query/key/value."""
+    validate_njt("query", query)
+    validate_tensor("key", key)
+    validate_tensor("value", value)
+    validate_bool("enable_gqa", enable_gqa)
+    if key.is_nested != value.is_nested:
+        raise TypeError("key and value must both be jagged NJTs or both dense tensors")
+    if key.is_nested:
+        validate_njt("key", key)
+        validate_njt("value", value)
+    else:
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 4:
+                raise ValueError(f"dense {name} must be 4-D (B, Hkv, S, D), got shape {tuple(t.shape)}")
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"dense key and value must have the same length S, got {key.shape[2]} and {value.shape[2]}")
+    validate_float_dtypes(("query", "key", "value"), (query, key, value))
+    validate_same_device(("query", "key", "value"), (query, key, value))
+    batch = query.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} batch size {t.shape[0]} does not match query's {batch}")
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"key has {key.shape[1]} heads but value has {value.shape[1]}")
+    validate_heads(query.shape[1], key.shape[1], gqa_allowed=enable_gqa)
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query head dim {query.shape[-1]} does not match key head dim {key.shape[-1]}")
+    for name, t in (("query", query), ("value", value)):
+        if t.shape[-1] < 1:
+            raise ValueError(f"{name} head dim must be >= 1, got {t.shape[-1]}")
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+
+
+def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> None:
+    """Kinds, dtypes, devices and shapes of varlen_attention's tensors (contents: layout.py)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        validate_tensor(name, t)
+        if t.is_nested:
+            raise TypeError(f"{name} must be a dense packed tensor, got a nested tensor (use jagged_sdpa.sdpa for NJTs)")
+    validate_float_dtypes(("q", "k", "v"), (q, k, v))
+    paged = block_table is not None
+    kv_dims = 4 if paged else 3
+    form = "(num_blocks, block_size, Hkv, D)" if paged else "(total_k, Hkv, D)"
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D (total_q, Hq, D), got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != kv_dims:
+            raise ValueError(f"{name} must be {kv_dims}-D {form}, got shape {tuple(t.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in all but the last dim, got {tuple(k.shape)} and {tuple(v.shape)}")
+    validate_heads(q.shape[1], k.shape[-2], gqa_allowed=True)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q head dim {q.shape[-1]} does not match k head dim {k.shape[-1]}")
+    if q.shape[-1] < 1 or v.shape[-1] < 1:
+        raise ValueError(f"head dims must be >= 1, got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    validate_same_device(("q", "k", "v"), (q, k, v))
+    validate_tensor("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    validate_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device, "B + 1")
+    if paged:
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k must be None when block_table is given (keys come from the cache)")
+        validate_tensor("block_table", block_table)
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq), got {tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        if seqused_k is None:
+            raise ValueError("seqused_k is required with block_table (the number of valid keys per sequence)")
+        if k.shape[1] < 1:
+            raise ValueError(f"k_cache block_size must be >= 1, got {k.shape[1]}")
+    else:
+        if cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k is required unless block_table is given")
+        validate_tensor("cu_seqlens_k", cu_seqlens_k)
+        if cu_seqlens_k.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
+        validate_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device, "B + 1, like cu_seqlens_q")
+    if seqused_k is not None:
+        validate_tensor("seqused_k", seqused_k)
+        if seqused_k.dtype != torch.int32:
+            raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
+        validate_int32_vector("seqused_k", seqused_k, batch, q.device, "B")
+
+
+def validate_block_ids(block_table_host: list[list[int]], used: tuple[int, ...], block_size: int, num_blocks: int) -> None:
+    """Every block a sequence needs must exist; only the entries the call reads are checked."""
+    max_blocks = len(block_table_host[0]) if block_table_host else 0
+    for b, n in enumerate(used):
+        need = -(-n // block_size)
+        if need > max_blocks:
+            raise ValueError(
+                f"seqused_k[{b}] = {n} exceeds the capacity of block_table row {b} "
+                f"({max_blocks} blocks x {block_size} = {max_blocks * block_size})"
+            )
+        for i, blk in enumerate(block_table_host[b][:need]):
+            if not 0 <= blk < num_blocks:
+                raise ValueError(f"block_table[{b}, {i}] = {blk} is out of range [0, {num_blocks})")

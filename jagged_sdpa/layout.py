@@ -1,0 +1,172 @@
+"""Every reshape, view and copy between NJT, dense and packed ``thd`` buffers, and the host read.
+
+``read_host`` is the one function that reads offsets/cu_seqlens/seqused_k/block_table on the host:
+one transfer per call, none on an accelerator when the caller passes (or the NJT caches) the max
+lengths. ``seqlen_stats``/``lengths_stats`` validate what it read. This module decides no eligibility.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SeqlenStats:
+    """Per-sequence lengths read on the host, or only what is known without reading them."""
+
+    cu_host: Optional[tuple[int, ...]]  # None when no host read happened
+    max_seqlen: int
+    has_empty: bool                     # True when unknown (conservative)
+
+
+def host_read_needed(device: torch.device, *given_max: Optional[int]) -> bool:
+    """Read lengths on the host unless the device is an accelerator and every max is given.
+
+    On the CPU reading is not a device sync (microseconds), so it is always done and contents are
+    always validated. On an accelerator with every max_seqlen given no read happens, so a step can
+    be captured in a CUDA graph (see README, "Host syncs").
+    """
+    return device.type == "cpu" or any(m is None for m in given_max)
+
+
+def read_host(*tensors: Tensor) -> list[list[int]]:
+    """The only device-to-host read of lengths in the package: one transfer for all ``tensors``.
+
+    Tests count calls to it to prove that a call makes at most one read, or none.
+    """
+    if not tensors:
+        return []
+    if len(tensors) == 1:
+        flat = tensors[0].reshape(-1).tolist()
+    else:
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return out
+
+
+def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int]) -> SeqlenStats:
+    """Validate host-read cumulative lengths and return their max and whether any is empty.
+
+    ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then trusted
+    and emptiness assumed possible). Contents must start at 0, never decrease and end at
+    ``total``, and ``given_max`` may not be smaller than the real longest sequence: ValueError
+    otherwise, because a kernel must never see such offsets.
+    """
+    if host is None:
+        return SeqlenStats(None, int(given_max), True)
+    if host[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {host[0]}")
+    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
+    if any(n < 0 for n in lengths):
+        bad = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(
+            f"{name} must be non-decreasing, but entry {bad + 1} ({host[bad + 1]}) < entry {bad} ({host[bad]})"
+        )
+    if host[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
+    real_max = max(lengths, default=0)
+    if given_max is not None and given_max < real_max:
+        raise ValueError(f"max_seqlen for {name} is {given_max}, smaller than the longest sequence ({real_max})")
+    return SeqlenStats(tuple(host), real_max if given_max is None else int(given_max), any(n == 0 for n in lengths))
+
+
+def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], given_max: Optional[int]) -> SeqlenStats:
+    """Like ``seqlen_stats`` for per-sequence lengths (``seqused_k``), each at most ``capacity[b]``.
+
+    ``cu_host`` of the result holds the cumulative sums of the lengths.
+    """
+    if host is None:
+        return SeqlenStats(None, int(given_max), True)
+    for b, n in enumerate(host):
+        if n < 0:
+            raise ValueError(f"{name}[{b}] must be >= 0, got {n}")
+        if n > capacity[b]:
+            raise ValueError(f"{name}[{b}] = {n} exceeds that sequence's capacity {capacity[b]}")
+    real_max = max(host, default=0)
+    if given_max is not None and given_max < real_max:
+        raise ValueError(f"max_seqlen_k is {given_max}, smaller than the longest sequence in {name} ({real_max})")
+    cu = [0]
+    for n in host:
+        cu.append(cu[-1] + n)
+    return SeqlenStats(tuple(cu), real_max if given_max is None else int(given_max), any(n == 0 for n in host))
+
+
+# ----------------------------------------------------------------------------------------------
+# NJT <-> packed
+
+
+def njt_cached_max_seqlen(njt: Tensor) -> Optional[int]:
+    """The max seqlen an NJT already knows (a private attribute read in this one place), or None."""
+    value = getattr(njt, "_maybe_max_seqlen", None)
+    return None if value is None else int(value)
+
+
+def njt_offsets(njt: Tensor) -> Tensor:
+    return njt.offsets()
+
+
+def njt_packed(njt: Tensor, holes_host: Optional[tuple[list[int], list[int]]] = None) -> tuple[Tensor, bool]:
+    """The packed (total, H, D) buffer of a (B, H, j, D) NJT and whether it was copied.
+
+    A view whenever the NJT has no holes: ``njt.transpose(1, 2).values()`` is a view of the
+    buffer (contiguous for ordinary NJTs, strided for chunks of a fused qkv projection). When no
+    gradient is needed the underlying buffer is read directly, which skips ~90 us of NJT dispatch.
+    NJTs with holes (``lengths()``) are gathered into a new buffer using the host-read
+    ``holes_host = (offsets, lengths)``.
+    """
+    if njt.lengths() is not None:
+        offsets, lengths = holes_host
+        values = njt.transpose(1, 2).values()
+        parts = [values[o:o + n] for o, n in zip(offsets, lengths)]
+        return (torch.cat(parts) if parts else values[:0]), True
+    if njt.requires_grad and torch.is_grad_enabled():
+        return njt.transpose(1, 2).values(), False
+    return njt._values.transpose(0, 1), False
+
+
+def njt_cu_seqlens(njt: Tensor, holes_cu: Optional[tuple[int, ...]] = None) -> Tensor:
+    """int32 cumulative lengths of an NJT (no sync: a device-side cast of its offsets)."""
+    if njt.lengths() is not None:
+        return torch.tensor(holes_cu, dtype=torch.int32, device=njt.device)
+    return njt.offsets().to(torch.int32)
+
+
+def dense_kv_packed(x: Tensor) -> Tensor:
+    """Dense (B, H, S, D) key/value -> packed (B*S, H, D); a copy unless H == 1 or already bshd."""
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
+
+
+def packed_to_njt(out: Tensor, like: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """Wrap packed (total, H, Dv) as a (B, H, j, Dv) NJT that shares ``like``'s offsets."""
+    if like.lengths() is None:
+        offsets = like.offsets()
+        min_seqlen = getattr(like, "_maybe_min_seqlen", None)
+    else:
+        offsets = cu_seqlens.to(like.offsets().dtype)
+        min_seqlen = None
+    njt = torch.nested.nested_tensor_from_jagged(
+        out, offsets=offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen
+    )
+    return njt.transpose(1, 2)
+
+
+def row_stride_align(*tensors: Tensor) -> int:
+    """Largest power of two (bytes, capped at 256) dividing every pointer and non-unit stride."""
+    acc = 256
+    for t in tensors:
+        size = t.element_size()
+        for value in (t.data_ptr() if t.device.type != "meta" else 0, *(s * size for s in t.stride()[:-1])):
+            if value:
+                acc = min(acc, value & -value)
+    return acc
+
+
+def last_dim_contiguous(*tensors: Tensor) -> bool:
+    return all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)

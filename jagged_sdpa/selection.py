@@ -1,0 +1,104 @@
+"""Backend priority, ``use_backends`` (a ContextVar), ``select``, ``Explanation`` and the log line.
+
+Selection sees no tensor data: it works on an ``AttnSpec``. Reasons are computed for every backend
+in the order, even after one is chosen, because the explain table and the DEBUG log list them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+
+from jagged_sdpa.backends import DEFAULT_ORDER, IMPLS, Backend
+from jagged_sdpa.errors import NoBackendError
+from jagged_sdpa.spec import AttnSpec
+
+log = logging.getLogger("jagged_sdpa")
+
+_ORDER: ContextVar[Optional[tuple[Backend, ...]]] = ContextVar("jagged_sdpa_order", default=None)
+
+
+def to_backend(value: Union[Backend, str], name: str = "backend") -> Backend:
+    if isinstance(value, Backend):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a jagged_sdpa.Backend or its string value, got {type(value).__name__}")
+    return Backend(value)
+
+
+@contextlib.contextmanager
+def use_backends(*backends: Union[Backend, str]) -> Iterator[tuple[Backend, ...]]:
+    """Restrict automatic selection to ``backends``, tried in the order given.
+
+    An inner block replaces the outer one (like ``torch.nn.attention.sdpa_kernel``); duplicates
+    are dropped keeping the first. The state is a ``ContextVar``: per thread and per asyncio task.
+    ``backend=`` on a call still forces its backend inside a block.
+
+    Example::
+
+        with jagged_sdpa.use_backends("triton", "math"):
+            out = jagged_sdpa.sdpa(q, k, v)
+    """
+    if not backends:
+        raise ValueError("use_backends needs at least one backend")
+    order = tuple(dict.fromkeys(to_backend(b, "backends") for b in backends))
+    token = _ORDER.set(order)
+    try:
+        yield order
+    finally:
+        _ORDER.reset(token)
+
+
+def current_order() -> tuple[Backend, ...]:
+    return _ORDER.get() or DEFAULT_ORDER
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which backend a call gets and, for every backend in the order, why not.
+
+    ``reasons[b]`` is an empty list when ``b`` is eligible. ``str(e)`` is a readable table.
+    """
+
+    spec: AttnSpec
+    order: tuple[Backend, ...]
+    reasons: dict = field(default_factory=dict)
+    chosen: Optional[Backend] = None
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        rows = [self.spec.describe(), f"  {'backend':<14} {'eligible':<9} why not"]
+        for b in self.order:
+            why = self.reasons[b]
+            rows.append(f"  {b.value:<14} {'no' if why else 'yes':<9} {'; '.join(why)}".rstrip())
+        rows.append(f"chosen: {self.chosen.value if self.chosen else 'none'}")
+        rows.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(rows)
+
+
+def select(spec: AttnSpec, forced: Optional[Backend] = None) -> Explanation:
+    """Compute every backend's reasons and take the first eligible one in order."""
+    order = (forced,) if forced is not None else current_order()
+    reasons = {b: list(IMPLS[b].reasons(spec)) for b in order}
+    chosen = next((b for b in order if not reasons[b]), None)
+    return Explanation(spec, order, reasons, chosen)
+
+
+def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = ()) -> Explanation:
+    """``select`` plus the DEBUG log line, raising ``NoBackendError`` when nothing is eligible."""
+    explanation = select(spec, forced)
+    if notes:
+        explanation = Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen, notes)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("jagged_sdpa selection\n%s", explanation)
+    if explanation.chosen is None:
+        header = (
+            f"forced backend {forced.value} cannot take this call"
+            if forced is not None
+            else "no backend can take this call"
+        )
+        raise NoBackendError(explanation, header)
+    return explanation

@@ -1,0 +1,145 @@
+"""The data that flows from the public call to a backend: ``AttnSpec``, ``PackedCall``, ``AttnOutput``.
+
+``AttnSpec`` is frozen, hashable and tensor-free: selection, ``explain`` and the capability tests
+work on it alone. This module imports no backend.
+
+Shape legend: B batch, Hq/Hkv query/kv heads, D/Dv head dims, total_q/total_k packed token counts,
+max_seqlen_q/_k longest sequence, num_blocks/block_size the paged KV cache geometry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+Alignment = Literal["top_left", "bottom_right"]
+ALIGNMENTS: tuple[str, ...] = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True, slots=True)
+class AttnSpec:
+    """Everything selection needs, and nothing that requires reading tensor data."""
+
+    entry: Literal["sdpa", "varlen"]
+    device_type: str                      # "cpu", "cuda", ...
+    capability: Optional[tuple[int, int]] # CUDA compute capability, cached per device
+    dtype: torch.dtype
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    total_q: int
+    total_k: int                          # packed keys; for a paged cache: num_blocks * block_size
+    max_seqlen_q: int
+    max_seqlen_k: int
+    has_empty_q: bool                     # conservatively True when lengths were not read
+    has_empty_k: bool
+    lengths_known: bool                   # the host holds every sequence length of this call
+    kv_dense: bool = False                # sdpa's dense K/V shared by every query sequence
+    causal: bool = False
+    alignment: str = "top_left"
+    window: tuple[int, int] = (-1, -1)    # (-1, -1) = unbounded
+    softcap: float = 0.0                  # 0.0 = off
+    alibi: Optional[str] = None           # None, "per_head" (Hq,), "per_batch_head" (B, Hq)
+    dropout_p: float = 0.0
+    scale: float = 1.0
+    needs_grad: bool = False
+    return_lse: bool = False
+    last_dim_contiguous: bool = True      # all of q/k/v
+    row_stride_align: int = 16            # bytes: largest power of two dividing strides and pointers
+    paged: bool = False                   # keys/values live in a block-table KV cache
+    block_size: int = 0                   # paged cache block size (0 when not paged)
+    seqused_k: bool = False               # a seqused_k tensor limits the keys of each sequence
+
+    @property
+    def gqa_group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != (-1, -1)
+
+    def replace(self, **changes) -> "AttnSpec":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line describing the call, the header of explain tables and errors."""
+        parts = [
+            f"{self.entry} call: B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv}",
+            f"D={self.head_dim}" + (f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else ""),
+            str(self.dtype).replace("torch.", ""),
+            self.device_type,
+            f"max_seqlen_q={self.max_seqlen_q} max_seqlen_k={self.max_seqlen_k}",
+        ]
+        if self.causal:
+            parts.append(f"causal={self.alignment}")
+        if self.has_window:
+            parts.append(f"window={self.window}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi={self.alibi}")
+        if self.dropout_p:
+            parts.append(f"dropout={self.dropout_p:g}")
+        if self.paged:
+            parts.append(f"paged(block_size={self.block_size})")
+        if self.kv_dense:
+            parts.append("dense_kv")
+        parts.append(f"grad={'yes' if self.needs_grad else 'no'}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """The tensors of one call in packed ``thd`` form, plus its spec.
+
+    q: (total_q, Hq, D); k: (total_k, Hkv, D), or (num_blocks, block_size, Hkv, D) when paged;
+    v: likewise with Dv. cu_seqlens_*: int32 (B + 1,) on q's device (cu_seqlens_k is None when
+    paged). seqused_k: int32 (B,) or None. block_table: int32 (B, max_blocks) or None.
+    *_host: the same lengths read once on the host by ``layout.seqlen_stats`` (None when the call
+    was made without a host read, see ``AttnSpec.lengths_known``).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Optional[Tensor]
+    spec: AttnSpec
+    alibi_slopes: Optional[Tensor] = None
+    seqused_k: Optional[Tensor] = None
+    block_table: Optional[Tensor] = None
+    cu_q_host: Optional[tuple[int, ...]] = None
+    cu_k_host: Optional[tuple[int, ...]] = None
+    seqused_k_host: Optional[tuple[int, ...]] = None
+
+    def replace(self, **changes) -> "PackedCall":
+        return dataclasses.replace(self, **changes)
+
+    def key_ranges_host(self) -> list[tuple[int, int]]:
+        """(start, length) of every sequence's keys; packed keys only (not paged)."""
+        cu = self.cu_k_host
+        if cu is None:
+            cu = tuple(self.cu_seqlens_k.tolist())
+        used = self.seqused_k_host
+        return [(cu[b], cu[b + 1] - cu[b] if used is None else used[b]) for b in range(len(cu) - 1)]
+
+    def query_ranges_host(self) -> list[tuple[int, int]]:
+        cu = self.cu_q_host
+        if cu is None:
+            cu = tuple(self.cu_seqlens_q.tolist())
+        return [(cu[b], cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+
+
+class AttnOutput(NamedTuple):
+    """out: (total_q, Hq, Dv). lse: float32 (Hq, total_q), natural log, -inf for rows that see
+    no key, or None. state: whatever a backend's backward needs beyond q/k/v/out/lse (RNG state)."""
+
+    out: Tensor
+    lse: Optional[Tensor]
+    state: object = None

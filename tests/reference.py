@@ -1,0 +1,77 @@
+"""Float64 per-sequence attention reference. Imports only torch and math: never jagged_sdpa.
+
+It is deliberately boring: an explicit loop over sequences, query rows' aligned positions written
+out once, an explicit boolean mask. Rows that see no key give out 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
+    """Boolean (Lq, Lk): True where query i may attend key j."""
+    shift = len_k - len_q if alignment == "bottom_right" else 0
+    keep = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    for i in range(len_q):
+        pos = i + shift
+        for j in range(len_k):
+            ok = True
+            if causal and j > pos:
+                ok = False
+            if window[0] >= 0 and j < pos - window[0]:
+                ok = False
+            if window[1] >= 0 and j > pos + window[1]:
+                ok = False
+            keep[i, j] = ok
+    return keep
+
+
+def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignment="top_left",
+                        window=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None):
+    """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_* lists or int tensors.
+
+    Returns (out float64 (total_q, Hq, Dv), lse float64 (Hq, total_q)).
+    """
+    cu_q = [int(x) for x in cu_q]
+    cu_k = [int(x) for x in cu_k]
+    hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(q.shape[0], hq, dv, dtype=torch.float64, device=q.device)
+    lse = torch.full((hq, q.shape[0]), -math.inf, dtype=torch.float64, device=q.device)
+    for b in range(len(cu_q) - 1):
+        qs, qe = cu_q[b], cu_q[b + 1]
+        ks = cu_k[b]
+        ke = cu_k[b + 1] if seqused_k is None else ks + int(seqused_k[b])
+        len_q, len_k = qe - qs, ke - ks
+        if len_q == 0:
+            continue
+        keep = keep_mask(len_q, len_k, causal=causal, alignment=alignment, window=window, device=q.device)
+        shift = len_k - len_q if alignment == "bottom_right" else 0
+        for h in range(hq):
+            kh = h // group
+            qb = q[qs:qe, h].double()
+            kb = k[ks:ke, kh].double()
+            vb = v[ks:ke, kh].double()
+            s = qb @ kb.T * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            if alibi_slopes is not None:
+                slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
+                i = torch.arange(len_q, device=q.device, dtype=torch.float64).unsqueeze(1) + shift
+                j = torch.arange(len_k, device=q.device, dtype=torch.float64).unsqueeze(0)
+                s = s - float(slope) * (i - j).abs()
+            s = s.masked_fill(~keep, -math.inf)
+            for i in range(len_q):
+                row = s[i]
+                if not keep[i].any():
+                    continue
+                m = row.max()
+                p = torch.exp(row - m)
+                total = p.sum()
+                out[qs + i, h] = (p / total) @ vb
+                lse[h, qs + i] = m + torch.log(total)
+    return out, lse

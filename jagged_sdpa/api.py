@@ -334,8 +334,12 @@ def explain(*args, **kwargs) -> Explanation:
     runs no attention kernel. ``e.chosen`` is the Backend or None, ``e.reasons`` maps every
     backend to its list of reasons (empty = eligible), ``print(e)`` shows a table.
     """
-    first = args[0] if args else kwargs.get("query", kwargs.get("q"))
-    is_varlen = "cu_seqlens_q" in kwargs or "q" in kwargs or not (isinstance(first, Tensor) and first.is_nested)
+    if "cu_seqlens_q" in kwargs or "q" in kwargs:
+        is_varlen = True
+    elif "query" in kwargs:
+        is_varlen = False
+    else:
+        is_varlen = not (args and isinstance(args[0], Tensor) and args[0].is_nested)
     names = _VARLEN_ARGS if is_varlen else _SDPA_ARGS
     if len(args) > len(names):
         raise TypeError(f"explain takes at most {len(names)} positional arguments for this call, got {len(args)}")

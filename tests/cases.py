@@ -1,0 +1,52 @@
+"""Named ragged length sets, packed-case builders and readable ids (imports no jagged_sdpa)."""
+
+from __future__ import annotations
+
+import torch
+
+LENGTHS = {
+    "single": [37],
+    "uniform": [16, 16, 16],
+    "ragged": [5, 17, 40, 1],
+    "with_empty": [0, 9, 0, 33],
+    "all_empty": [0, 0],
+    "long_tail": [1] * 5 + [70],
+}
+
+
+def cu_of(lengths) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def packed(lengths, heads, dim, dtype=torch.float32, *, requires_grad=False, gen=None):
+    x = torch.randn(sum(lengths), heads, dim, generator=gen).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def in_nan_buffer(x: torch.Tensor, extra_rows: int = 3) -> torch.Tensor:
+    """``x`` as a view into a larger buffer whose other rows and columns are NaN."""
+    total, heads, dim = x.shape
+    buf = torch.full((total + 2 * extra_rows, heads, dim + 5), float("nan"), dtype=x.dtype)
+    view = buf[extra_rows:extra_rows + total, :, 2:2 + dim]
+    view.copy_(x)
+    return view
+
+
+def njt(lengths, heads, dim, dtype=torch.float32, *, requires_grad=False):
+    """(B, H, j, D) NJT, the transpose of a (B, j, H, D) jagged NJT."""
+    parts = [torch.randn(n, heads, dim).to(dtype) for n in lengths]
+    return torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=requires_grad).transpose(1, 2)
+
+
+def case_id(name, hq, hkv, d, dtype, causal=None, window=(-1, -1), extra=""):
+    parts = [name, f"Hq{hq}", f"Hkv{hkv}", f"D{d}", str(dtype).replace("torch.", "")]
+    if causal:
+        parts.append(f"causal{'BR' if causal == 'bottom_right' else 'TL'}")
+    if window != (-1, -1):
+        parts.append(f"win{window}")
+    if extra:
+        parts.append(extra)
+    return "-".join(parts)

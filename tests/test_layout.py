@@ -1,0 +1,97 @@
+"""NJT <-> packed: views, not copies, wherever strides allow; offsets identity; one host read."""
+
+from __future__ import annotations
+
+import torch
+
+import jagged_sdpa
+from jagged_sdpa import layout
+from jagged_sdpa.api import _prepare_sdpa, _prepare_varlen
+from cases import cu_of, njt, packed
+
+
+def prepare_sdpa(q, k, v, **kw):
+    args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None)
+    args.update(kw)
+    return _prepare_sdpa(q, k, v, **args)
+
+
+def test_contiguous_njt_is_packed_as_a_view():
+    q = njt([3, 0, 5], 4, 8)
+    call, _, notes = prepare_sdpa(q, q, q)
+    base = q.transpose(1, 2).values()
+    assert call.q.data_ptr() == base.data_ptr() and call.q.shape == (8, 4, 8) and call.q.is_contiguous()
+    assert call.cu_q_host == (0, 3, 3, 8) and call.spec.has_empty_q and call.spec.max_seqlen_q == 5
+    assert notes == ()
+
+
+def test_fused_qkv_chunks_are_strided_views():
+    x = torch.nested.nested_tensor([torch.randn(n, 3 * 2 * 8) for n in (4, 9)], layout=torch.jagged)
+    q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in x.chunk(3, dim=-1))
+    call, _, _ = prepare_sdpa(q, k, v)
+    buf = x.values()
+    assert call.q.data_ptr() == buf.data_ptr()
+    assert call.k.data_ptr() == buf.data_ptr() + 16 * buf.element_size()
+    assert call.q.stride() == (48, 8, 1)
+    assert call.spec.row_stride_align >= 16
+
+
+def test_view_kept_when_grad_needed():
+    leaf = torch.nested.nested_tensor([torch.randn(3, 2, 4), torch.randn(5, 2, 4)], layout=torch.jagged,
+                                      requires_grad=True)
+    q = leaf.transpose(1, 2)
+    call, _, _ = prepare_sdpa(q, q, q)
+    assert call.q.requires_grad and call.q.data_ptr() == leaf.values().data_ptr()
+
+
+def test_dense_kv_becomes_packed_with_uniform_offsets():
+    q = njt([2, 3], 2, 4)
+    k = torch.randn(2, 2, 5, 4)
+    call, _, notes = prepare_sdpa(q, k, k)
+    assert call.k.shape == (10, 2, 4)
+    assert torch.equal(call.cu_seqlens_k, cu_of([5, 5]))
+    torch.testing.assert_close(call.k[5:10], k[1].transpose(0, 1))
+    assert call.spec.kv_dense and any("dense key/value" in n for n in notes)
+
+
+def test_output_round_trip_shares_offsets():
+    q = njt([4, 1, 6], 2, 8)
+    out = jagged_sdpa.sdpa(q, q, q)
+    assert out.transpose(1, 2).offsets() is q.transpose(1, 2).offsets()
+    assert [t.shape for t in out.unbind()] == [t.shape for t in q.unbind()]
+
+
+def test_one_host_read_per_cpu_call(monkeypatch):
+    calls = []
+    original = layout.read_host
+
+    def counting(*tensors):
+        calls.append(len(tensors))
+        return original(*tensors)
+
+    monkeypatch.setattr(layout, "read_host", counting)
+    q, k = packed([3, 4], 2, 8), packed([5, 1], 2, 8)
+    jagged_sdpa.varlen_attention(q, k, k, cu_of([3, 4]), cu_of([5, 1]), causal=True)
+    assert calls == [2]  # cu_seqlens_q and cu_seqlens_k in one transfer
+    calls.clear()
+    x = njt([3, 4], 2, 8)
+    jagged_sdpa.sdpa(x, njt([2, 2], 2, 8), njt([2, 2], 2, 8))
+    assert len(calls) == 1
+
+
+def test_no_host_read_on_accelerator_with_max_lengths(monkeypatch):
+    """On a non-CPU device with max lengths given nothing is read: meta tensors cannot be read."""
+    monkeypatch.setattr(layout, "read_host", lambda *t: (_ for _ in ()).throw(AssertionError("host read")))
+    q = torch.empty(7, 2, 8, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    call, _, _ = _prepare_varlen(q, q, q, cu, cu, 4, 4, 0.0, None, True, (-1, -1), 0.0, None, False, None, None, None)
+    assert call.spec.max_seqlen_q == 4 and not call.spec.lengths_known and call.spec.has_empty_k
+
+
+def test_packed_to_njt_with_holes_builds_new_offsets():
+    values = torch.randn(10, 2, 4)
+    q = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 4, 8]),
+                                               lengths=torch.tensor([2, 2])).transpose(1, 2)
+    out = jagged_sdpa.sdpa(q, q, q)
+    assert [t.shape[1] for t in out.unbind()] == [2, 2]

@@ -1,21 +1,104 @@
-"""TRITON: the project's own Triton varlen kernels (fwd.py, bwd.py)."""
+"""TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``, ``decode.py``).
+
+This module imports no kernel: Triton decides between compiled and interpreted kernels when
+``@triton.jit`` runs, so the kernel modules are imported on first use, after the caller had the
+chance to set ``TRITON_INTERPRET=1``. A process that ran a TRITON call before setting it keeps
+compiled kernels, and CPU calls then get a reason saying so.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import importlib
+import os
+import sys
+from typing import Iterator, Optional
 
 import torch
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
+from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import Capabilities
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+_FWD_MODULE = "jagged_sdpa.backends.triton.fwd"
+HEAD_DIM_MAX = 256
+
+
+def interpret_setting() -> Optional[str]:
+    """The TRITON_INTERPRET environment variable, read at call time (the one place it is read)."""
+    return os.environ.get("TRITON_INTERPRET")
+
+
+def _kernels_interpreted() -> Optional[bool]:
+    """Whether the already imported kernels are interpreted; None when not imported yet."""
+    module = sys.modules.get(_FWD_MODULE)
+    return None if module is None else module.INTERPRETED
+
+
+def _kernels():
+    fwd = importlib.import_module(_FWD_MODULE)
+    bwd = importlib.import_module("jagged_sdpa.backends.triton.bwd")
+    return fwd, bwd
 
 
 class TritonBackend(BackendImpl):
     backend = Backend.TRITON
-    caps = Capabilities(devices=frozenset({"cuda", "cpu"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}))
+    caps = Capabilities(
+        devices=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dim_max=HEAD_DIM_MAX,
+        paged=True,
+        notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only"),
+    )
 
     @classmethod
     @functools.cache
-    def is_available(cls) -> Optional[str]:
-        return "not implemented yet"
+    def is_available(cls) -> Optional[Reason]:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except Exception as error:  # any import failure (missing, broken install) is a reason
+            return f"triton is not importable: {type(error).__name__}: {error}".rstrip()
+        return None
+
+    @classmethod
+    def extra_reasons(cls, spec: AttnSpec) -> Iterator[Reason]:
+        interpreted = _kernels_interpreted()
+        if spec.device_type == "cpu":
+            setting = interpret_setting()
+            if setting != "1":
+                shown = "unset" if setting is None else repr(setting)
+                yield f"cpu tensors need TRITON_INTERPRET=1 (set: {shown}) - set it before the first triton call"
+            elif interpreted is False:
+                yield ("triton kernels were compiled (not interpreted) in this process - set TRITON_INTERPRET=1 "
+                       "before the first triton call")
+        if spec.paged and spec.block_size and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
+            yield f"block_size {spec.block_size} not a power of two >= 16"
+        if spec.paged and spec.needs_grad:
+            yield "paged KV cache with a gradient needed not supported - use packed keys for training"
+
+    @classmethod
+    def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
+        from jagged_sdpa.backends.triton.decode import split_note
+
+        note = split_note(spec)
+        return () if note is None else (note,)
+
+    @classmethod
+    def forward(cls, call: PackedCall) -> AttnOutput:
+        from jagged_sdpa.backends.triton.decode import merge_splits, plan_splits
+
+        fwd, _ = _kernels()
+        rng = fwd.dropout_seed(call.spec)
+        splits = plan_splits(call.spec)
+        result = fwd.launch_fwd(call, num_splits=splits, rng=rng)
+        if splits > 1:
+            out, lse = merge_splits(result.out, result.lse, call.q.dtype)
+            return AttnOutput(out, lse, rng)
+        return result
+
+    @classmethod
+    def backward(cls, call: PackedCall, out, lse, grad_out, state):
+        _, bwd = _kernels()
+        return bwd.launch_bwd(call, out, lse, grad_out, rng=state)

@@ -1,0 +1,128 @@
+"""Pieces shared by the forward and backward Triton kernels: score transforms, masks, key
+addressing (packed or paged), the dropout RNG, and the host-side argument helpers.
+
+The score of query row i (aligned position i') and key j is, in this order: ``scale * q.k``,
+softcap ``c * tanh(s / c)``, ALiBi ``- slope * |i' - j|``, then the band mask
+``i' - left <= j <= i' + right`` (causal is ``right = 0``). Both passes call the same helpers so
+forward and backward can never disagree about a mask or a dropout draw.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+# Stand-in for an unbounded window side: far beyond any sequence, far from int32 overflow.
+UNBOUNDED = 1 << 30
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1) saturates cleanly to +-1 and needs no libdevice (the interpreter has none).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 inputs would otherwise go through TF32 on Ampere+, far outside fp32 tolerances.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PAGED: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    """int64 element offset of key j = offs_n of this sequence (without the head/dim part)."""
+    if PAGED:
+        block = tl.load(BlockTableRow + offs_n // PAGE_SIZE, mask=offs_n < len_k, other=0)
+        return block.to(tl.int64) * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kt
+    else:
+        return (start_k + offs_n).to(tl.int64) * stride_kt
+
+
+@triton.jit
+def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left, window_right,
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr):
+    """Transformed, masked scores (natural units) and, for softcap's backward, tanh(s / c)."""
+    s = qk * sm_scale
+    tanh_s = s
+    if HAS_SOFTCAP:
+        tanh_s = _tanh(s / softcap)
+        s = softcap * tanh_s
+    if HAS_ALIBI:
+        dist = (pos_q[:, None] - offs_n[None, :]).to(tl.float32)
+        s = s - slope * tl.abs(dist)
+    keep = row_valid[:, None] & (offs_n[None, :] < len_k)
+    if HAS_BAND:
+        keep = keep & (offs_n[None, :] <= pos_q[:, None] + window_right)
+        keep = keep & (offs_n[None, :] >= pos_q[:, None] - window_left)
+    s = tl.where(keep, s, float("-inf"))
+    return s, tanh_s
+
+
+@triton.jit
+def _dropout_keep(seed, rng_offset, rows, head, offs_n, dropout_p):
+    """Counter-based keep mask: philox(seed; key j, global query row, head, call offset)."""
+    zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.uint32)
+    c0 = zeros + offs_n[None, :].to(tl.uint32)
+    c1 = zeros + rows[:, None].to(tl.uint32)
+    c2 = zeros + head.to(tl.uint32)
+    c3 = zeros + rng_offset.to(tl.uint32)
+    r0, _r1, _r2, _r3 = tl.philox(seed, c0, c1, c2, c3)
+    return tl.uint_to_uniform_float(r0) >= dropout_p
+
+
+def head_dim_pad(d: int) -> int:
+    """tl.dot needs power-of-two extents >= 16; the extra dims are masked."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def window_bounds(spec) -> tuple[int, int, bool]:
+    """(left, right, has_band) with unbounded sides as UNBOUNDED and causal folded into right."""
+    left, right = spec.window
+    left = UNBOUNDED if left < 0 else left
+    right = UNBOUNDED if right < 0 else right
+    if spec.causal:
+        right = min(right, 0)
+    return left, right, spec.causal or spec.has_window
+
+
+def length_bucket(n: int) -> int:
+    """Autotune key for a sequence length: its power-of-two bucket, so lengths never recompile."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def sequence_order(call) -> torch.Tensor:
+    """Batch indices heaviest first (Lq * Lk), computed on the device: no host sync.
+
+    Programs launch in grid order, so the long sequences of a long-tail batch start first instead
+    of running alone at the end.
+    """
+    cu_q = call.cu_seqlens_q
+    len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    if call.seqused_k is not None:
+        len_k = call.seqused_k.to(torch.int64)
+    else:
+        len_k = (call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]).to(torch.int64)
+    work = len_q * (len_k + 1)
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+
+
+def alibi_args(call):
+    """(slopes tensor or a dummy, batch stride): per_head slopes broadcast with stride 0."""
+    slopes = call.alibi_slopes
+    if slopes is None:
+        return call.cu_seqlens_q, 0
+    if slopes.dim() == 1:
+        return slopes, 0
+    return slopes, slopes.stride(0)
+
+
+def kv_strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
+    """(block, token, head, dim) strides of packed (total, H, D) or paged (blocks, size, H, D) K/V."""
+    if paged:
+        return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+    return 0, t.stride(0), t.stride(1), t.stride(2)

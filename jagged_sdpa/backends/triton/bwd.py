@@ -1,0 +1,309 @@
+"""Backward attention kernels on packed ``thd`` buffers, with their launcher.
+
+Mirrors ``fwd.py``: ``delta = rowsum(out * grad_out)`` first, then two kernels that recompute the
+probabilities from q, k and the forward's lse (``P = exp(S - lse)``; reference: the float64
+``tests/reference.py`` differentiated by autograd):
+
+* ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv, B). One program owns a key
+  block of one kv head and loops over the GROUP query heads that share it and over the query blocks
+  its band can see, so dK/dV are reduced across the query group in registers: no expanded K/V,
+  no atomics, deterministic.
+* ``_attn_bwd_dq``: grid (query blocks, Hq, B). One program owns a query block and loops over the
+  key blocks its band can see.
+
+With dropout Z (keep / (1 - p), the forward's philox draw): dV = (P o Z)^T dO, dP = (dO V^T) o Z,
+dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.
+Same features and limits as the forward, except the paged KV cache (forward-only: blocks shared by
+several rows would need atomics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_sdpa.backends.triton._common import (
+    _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, sequence_order, window_bounds,
+)
+from jagged_sdpa.spec import PackedCall
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def bwd_configs() -> list[triton.Config]:
+    """One config under the interpreter; a few to autotune when compiled."""
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn in ((32, 64), (64, 64), (64, 32), (32, 128)) for w in (4, 8) for s in (1, 2)
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    d = max(kwargs.get("HEAD_DIM_PAD", 64), kwargs.get("HEAD_DIM_V_PAD", 64))
+    kept = [c for c in configs if d <= 64 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 // (d // 64)]
+    return kept or configs[:1]
+
+
+_AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
+                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
+
+
+@triton.jit
+def _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr):
+    start_q = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - start_q
+    start_k = tl.load(CuK + b)
+    if HAS_SEQUSED:
+        len_k = tl.load(SeqUsedK + b)
+    else:
+        len_k = tl.load(CuK + b + 1) - start_k
+    return start_q, len_q, start_k, len_k
+
+
+@triton.jit
+def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope, window_left,
+                   window_right, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """P = exp(S - lse) (0 where masked, and for rows whose lse is -inf) and tanh(s / c)."""
+    qk = _dot(q, kT, IEEE)
+    s, tanh_s = _scores(qk, offs_m + shift, offs_n, len_k, offs_m < len_q, sm_scale, softcap, slope,
+                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND)
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    p = tl.math.exp2((s - lse_safe[:, None]) * 1.4426950408889634)
+    return p, tanh_s
+
+
+@triton.jit
+def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh_s * tanh_s)
+    return ds
+
+
+@triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["DK", "DV"])
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
+    CuQ, CuK, SeqUsedK, Alibi, SeqOrder,                 # int32 metadata, float32 slopes
+    stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
+    stride_kt, stride_kh, stride_kd,                     # k (total_k, Hkv, D)
+    stride_vt, stride_vh, stride_vd,                     # v (total_k, Hkv, Dv)
+    stride_dot, stride_doh, stride_dod,                  # grad_out (total_q, Hq, Dv)
+    stride_lh, stride_lt,                                # lse and delta (Hq, total_q)
+    stride_dkt, stride_dkh, stride_dkd,                  # dk like k
+    stride_dvt, stride_dvh, stride_dvd,                  # dv like v
+    stride_ab,                                           # alibi batch stride (0 = per head)
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, rng_offset,
+    max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(SeqOrder + tl.program_id(2))
+    start_q, len_q, start_k, len_k = _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED)
+    n_blocks = tl.cdiv(len_k, BLOCK_N)
+    if pid_n >= n_blocks:
+        return
+    n0 = (n_blocks - 1 - pid_n) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    key_ok = offs_n < len_k
+    shift = 0
+    if BOTTOM_RIGHT:
+        shift = len_k - len_q
+
+    k_rows = (start_k + offs_n).to(tl.int64)
+    # K and V transposed: (D, BLOCK_N), ready for q @ kT and do @ vT.
+    kT = tl.load(K + kv_head.to(tl.int64) * stride_kh + k_rows[None, :] * stride_kt
+                 + offs_d[:, None].to(tl.int64) * stride_kd,
+                 mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    vT = tl.load(V + kv_head.to(tl.int64) * stride_vh + k_rows[None, :] * stride_vt
+                 + offs_dv[:, None].to(tl.int64) * stride_vd,
+                 mask=key_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+
+    # Query rows i whose band i' - left <= j <= i' + right reaches this key block.
+    lo = 0
+    hi = len_q
+    if HAS_BAND:
+        lo = tl.maximum(n0 - shift - window_right, 0)
+        hi = tl.minimum(n0 + BLOCK_N - 1 - shift + window_left + 1, len_q)
+    lo = (lo // BLOCK_M) * BLOCK_M
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + head)
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < len_q
+            rows = (start_q + offs_m).to(tl.int64)
+            q = tl.load(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qt
+                        + offs_d[None, :].to(tl.int64) * stride_qd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            do = tl.load(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
+                         + offs_dv[None, :].to(tl.int64) * stride_dod,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            lse = tl.load(Lse + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
+            delta = tl.load(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
+            p, tanh_s = _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope,
+                                       window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+            dp = _dot(do, vT, IEEE)
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, rng_offset, start_q + offs_m, head, offs_n, dropout_p)
+                scale_keep = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+                dv += _dot(tl.trans(p * scale_keep).to(do.dtype), do, IEEE)
+                dp = dp * scale_keep
+            else:
+                dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
+            ds = _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP)
+            dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
+
+    dk = dk * sm_scale
+    tl.store(DK + kv_head.to(tl.int64) * stride_dkh + k_rows[:, None] * stride_dkt
+             + offs_d[None, :].to(tl.int64) * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + kv_head.to(tl.int64) * stride_dvh + k_rows[:, None] * stride_dvt
+             + offs_dv[None, :].to(tl.int64) * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["DQ"])
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, Lse, Delta, DQ,
+    CuQ, CuK, SeqUsedK, Alibi, SeqOrder,
+    stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
+    stride_kt, stride_kh, stride_kd,                     # k (total_k, Hkv, D)
+    stride_vt, stride_vh, stride_vd,                     # v (total_k, Hkv, Dv)
+    stride_dot, stride_doh, stride_dod,                  # grad_out (total_q, Hq, Dv)
+    stride_lh, stride_lt,                                # lse and delta (Hq, total_q)
+    stride_dqt, stride_dqh, stride_dqd,                  # dq like q
+    stride_ab,
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, rng_offset,
+    max_seqlen_q_bucket, max_seqlen_k_bucket,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.load(SeqOrder + tl.program_id(2))
+    start_q, len_q, start_k, len_k = _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED)
+    n_blocks = tl.cdiv(len_q, BLOCK_M)
+    if pid_m >= n_blocks:
+        return
+    m0 = (n_blocks - 1 - pid_m) * BLOCK_M
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    row_ok = offs_m < len_q
+    shift = 0
+    if BOTTOM_RIGHT:
+        shift = len_k - len_q
+    rows = (start_q + offs_m).to(tl.int64)
+    q = tl.load(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qt
+                + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
+                 + offs_dv[None, :].to(tl.int64) * stride_dod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    lse = tl.load(Lse + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + head)
+
+    lo = 0
+    hi = len_k
+    if HAS_BAND:
+        lo = tl.maximum(m0 + shift - window_left, 0)
+        hi = tl.minimum(m0 + BLOCK_M - 1 + shift + window_right + 1, len_k)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < len_k
+        k_rows = (start_k + offs_n).to(tl.int64)
+        kT = tl.load(K + kv_head.to(tl.int64) * stride_kh + k_rows[None, :] * stride_kt
+                     + offs_d[:, None].to(tl.int64) * stride_kd,
+                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        vT = tl.load(V + kv_head.to(tl.int64) * stride_vh + k_rows[None, :] * stride_vt
+                     + offs_dv[:, None].to(tl.int64) * stride_vd,
+                     mask=key_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+        p, tanh_s = _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope,
+                                   window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+        dp = _dot(do, vT, IEEE)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, start_q + offs_m, head, offs_n, dropout_p)
+            dp = dp * tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+        ds = _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP)
+        dq += _dot(ds.to(kT.dtype), tl.trans(kT), IEEE)
+
+    dq = dq * sm_scale
+    tl.store(DQ + head.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
+             + offs_d[None, :].to(tl.int64) * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
+    """(dq, dk, dv) in the shapes of call.q/k/v (packed keys only; see the module docstring)."""
+    spec = call.spec
+    q, k, v = call.q, call.k, call.v
+    dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
+    batch = call.cu_seqlens_q.shape[0] - 1
+    if batch == 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        return dq, dk, dv
+    delta = (out.float() * grad_out.float()).sum(-1).t().contiguous()
+    lse = lse.contiguous()
+    left, right, has_band = window_bounds(spec)
+    slopes, stride_ab = alibi_args(call)
+    seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
+    order = sequence_order(call)
+    common = dict(
+        GROUP=spec.heads_q // spec.heads_kv,
+        HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
+        HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
+        BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
+        HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
+        IEEE=q.dtype == torch.float32,
+    )
+    scalars = (spec.scale, spec.softcap or 1.0, left, right, spec.dropout_p, rng[0], rng[1],
+               length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k))
+    max_k, max_q = max(spec.max_seqlen_k, 1), max(spec.max_seqlen_q, 1)
+    _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv, batch)](
+        q, k, v, grad_out, lse, delta, dk, dv,
+        call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
+        *dk.stride(), *dv.stride(), stride_ab, *scalars, **common,
+    )
+    _attn_bwd_dq[lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), spec.heads_q, batch)](
+        q, k, v, grad_out, lse, delta, dq,
+        call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
+        *dq.stride(), stride_ab, *scalars, **common,
+    )
+    return dq, dk, dv

@@ -1,0 +1,67 @@
+"""Split-K (flash-decoding) for few queries over long contexts: the rule that picks it and the lse
+merge of the partial results.
+
+With one query block per sequence (decode, or a short chunk) the forward grid has only B * Hq
+programs, far fewer than a GPU has SMs. Splitting each sequence's keys over ``num_splits``
+programs fills the machine; each split writes a float32 partial out and lse and
+``merge_splits`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``.
+The rule reads only the spec (no tensor data, no sync) and is shown by ``explain`` as a note.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from jagged_sdpa.spec import AttnSpec
+
+# A query block of the forward kernel covers up to this many queries on every config.
+DECODE_MAX_SEQLEN_Q = 16
+# Below this many keys per split, the merge costs more than the parallelism gains.
+MIN_KEYS_PER_SPLIT = 128
+MAX_SPLITS = 64
+
+
+@functools.cache
+def _cuda_programs_wanted(index: int) -> int:
+    """Two waves of programs per SM keeps every SM busy while tails finish."""
+    return 2 * torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_wanted(spec: AttnSpec) -> int:
+    if spec.device_type == "cuda" and torch.cuda.is_available():
+        return _cuda_programs_wanted(torch.cuda.current_device())
+    # The interpreter and unknown devices: a small fixed target keeps the rule testable on CPU.
+    return 16
+
+
+def plan_splits(spec: AttnSpec) -> int:
+    """Number of key splits for this call; 1 means the ordinary forward."""
+    if spec.max_seqlen_q > DECODE_MAX_SEQLEN_Q or spec.max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+        return 1
+    programs = max(spec.batch * spec.heads_q, 1)
+    by_occupancy = -(-_programs_wanted(spec) // programs)
+    by_length = spec.max_seqlen_k // MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def split_note(spec: AttnSpec) -> str | None:
+    splits = plan_splits(spec)
+    if splits == 1:
+        return None
+    return (f"triton: split-k decode over {splits} key splits (max_seqlen_q {spec.max_seqlen_q} <= "
+            f"{DECODE_MAX_SEQLEN_Q}, max_seqlen_k {spec.max_seqlen_k} >= {2 * MIN_KEYS_PER_SPLIT})")
+
+
+def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, dtype: torch.dtype):
+    """(S, total_q, Hq, Dv) float32 partials and (S, Hq, total_q) lses -> out (dtype), lse float32.
+
+    Empty splits carry lse -inf and weigh 0; a row empty in every split stays 0 with lse -inf.
+    """
+    lse = torch.logsumexp(lse_parts, dim=0)
+    finite = torch.isfinite(lse)
+    weights = torch.exp(lse_parts - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(0))
+    weights = torch.where(torch.isfinite(lse_parts), weights, torch.zeros_like(weights))
+    out = torch.einsum("sht,sthd->thd", weights, out_parts)
+    return out.to(dtype), lse

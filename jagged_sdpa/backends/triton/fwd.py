@@ -1,0 +1,272 @@
+"""Forward attention kernel on packed ``thd`` buffers (and paged KV caches), with its launcher.
+
+Computes, per sequence b and query head h, ``out = softmax(scores) @ V`` (dropout applied to the
+probabilities) and the natural-log lse of each row, reference: ``tests/reference.py``.
+
+Layout: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) or paged (num_blocks, block_size, Hkv, D/Dv)
+with a block table; every stride is passed, so non-contiguous views (a fused qkv buffer) work.
+Grid: (query blocks of the longest sequence, Hq, B * num_splits). Each program reads its sequence's
+bounds from cu_seqlens (or seqused_k), exits at once past the end, and walks only the key blocks its
+band (causal / window) can see. Sequences run heaviest first (``sequence_order``) and, inside a
+sequence, the last (for causal, heaviest) query blocks first.
+Split-K (flash-decoding, ``decode.py``): with num_splits > 1 each program takes one slice of the
+keys and writes a float32 partial output and lse that ``decode.merge_splits`` combines.
+Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
+or per batch and head), dropout (philox, ``_common._dropout_keep``), Dv != D, any head dim <= 256
+(padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
+Limits: bf16 under the Triton 3.9 interpreter is wrong (tl.dot and fp32->bf16 casts), so CPU
+tests use fp32/fp16; bf16 is tested on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from jagged_sdpa.backends.triton._common import (
+    _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket,
+    sequence_order, window_bounds,
+)
+from jagged_sdpa.spec import AttnOutput, PackedCall
+
+# Triton picks interpreted or compiled kernels when @triton.jit runs, i.e. when this module is
+# imported; the backend reads this to explain a CPU call that cannot be served.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fwd_configs() -> list[triton.Config]:
+    """One safe config under the interpreter; a small Hopper/Ampere-friendly set when compiled."""
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    configs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+    ]
+
+    def keep(c):
+        return not (c.kwargs["BLOCK_M"] == 128 and c.num_warps == 4) and not (
+            c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_M"] == 64)
+
+    return list(filter(keep, configs))
+
+
+def _prune(configs, named_args, **kwargs):
+    """Large head dims cannot hold 128x128 tiles in shared memory; decode wants small BLOCK_M."""
+    d = max(kwargs.get("HEAD_DIM_PAD", named_args.get("HEAD_DIM_PAD", 64)),
+            kwargs.get("HEAD_DIM_V_PAD", named_args.get("HEAD_DIM_V_PAD", 64)))
+    kept = [c for c in configs if d <= 128 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_valid, offs_d,
+               offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
+               stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+               sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) of one sequence, base 2."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < len_k
+        k_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PAGED, PAGE_SIZE)
+        k = tl.load(K + kv_head_off_k + k_rows[None, :] + offs_d[:, None].to(tl.int64) * stride_kd,
+                    mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        qk = _dot(q, k, IEEE)
+        s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
+                        window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND)
+        s = s * 1.4426950408889634
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key keep m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, offs_m_rows, head, offs_n, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_vb, stride_vt, PAGED, PAGE_SIZE)
+        v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
+                    mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc += _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr):
+    start_q = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - start_q
+    if PAGED:
+        start_k = start_q * 0
+        len_k = tl.load(SeqUsedK + b)
+    else:
+        start_k = tl.load(CuK + b)
+        if HAS_SEQUSED:
+            len_k = tl.load(SeqUsedK + b)
+        else:
+            len_k = tl.load(CuK + b + 1) - start_k
+    return start_q, len_q, start_k, len_k
+
+
+@triton.autotune(
+    configs=fwd_configs(),
+    key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
+         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "NUM_SPLITS"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit
+def _attn_fwd(
+    Q, K, V, Out, Lse,                                   # tensors
+    CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
+    stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
+    stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D) or (blocks, size, Hkv, D)
+    stride_vb, stride_vt, stride_vh, stride_vd,          # v, same with Dv
+    stride_os, stride_ot, stride_oh, stride_od,          # out (splits, total_q, Hq, Dv); split stride 0 if none
+    stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
+    stride_btb, stride_ab,                               # block table row, alibi batch (0 = per head)
+    sm_scale, softcap, window_left, window_right,        # runtime scalars
+    dropout_p, seed, rng_offset, split_size,
+    max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
+    GROUP: tl.constexpr,                                 # Hq // Hkv
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    b = tl.load(SeqOrder + pid_z // NUM_SPLITS)
+    split = pid_z % NUM_SPLITS
+    start_q, len_q, start_k, len_k = _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
+    n_blocks = tl.cdiv(len_q, BLOCK_M)
+    if pid_m >= n_blocks:
+        return
+    m0 = (n_blocks - 1 - pid_m) * BLOCK_M
+    kv_head = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    row_valid = offs_m < len_q
+    shift = 0
+    if BOTTOM_RIGHT:
+        shift = len_k - len_q
+    pos_q = offs_m + shift
+
+    q_rows = (start_q + offs_m).to(tl.int64) * stride_qt
+    q = tl.load(Q + head.to(tl.int64) * stride_qh + q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    lo = 0
+    hi = len_k
+    if HAS_BAND:
+        lo = tl.maximum(m0 + shift - window_left, 0)
+        hi = tl.minimum(m0 + BLOCK_M - 1 + shift + window_right + 1, len_k)
+    if NUM_SPLITS > 1:
+        lo = tl.maximum(lo, split * split_size)
+        hi = tl.minimum(hi, (split + 1) * split_size)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + head)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K, V, BlockTable + b.to(tl.int64) * stride_btb, start_q + offs_m, pos_q,
+        row_valid, offs_d, offs_dv, start_k, len_k, lo, hi,
+        kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
+        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+    )
+
+    # A row that saw no key has l = 0: it writes zeros and lse -inf, never 0/0.
+    seen = l_i > 0.0
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+
+    o_rows = (start_q + offs_m).to(tl.int64) * stride_ot
+    o_ptrs = (Out + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + o_rows[:, None]
+              + offs_dv[None, :].to(tl.int64) * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    l_ptrs = (Lse + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
+              + (start_q + offs_m).to(tl.int64) * stride_lt)
+    tl.store(l_ptrs, lse, mask=row_valid)
+
+
+def dropout_seed(spec) -> tuple[int, int]:
+    """(seed, offset) drawn from torch's default CPU generator, so torch.manual_seed reproduces the
+    mask; the CPU generator costs no device sync."""
+    if not spec.dropout_p:
+        return 0, 0
+    draw = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
+    return int(draw[0]), int(draw[1])
+
+
+def launch_fwd(call: PackedCall, *, num_splits: int = 1, rng: tuple[int, int] = (0, 0)) -> AttnOutput:
+    """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
+    ``decode.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
+    (S, Hq, total_q) instead of the final ones."""
+    spec = call.spec
+    q, k, v = call.q, call.k, call.v
+    total_q, heads_q = q.shape[0], q.shape[1]
+    batch = call.cu_seqlens_q.shape[0] - 1
+    if num_splits > 1:
+        out = torch.empty((num_splits, total_q, heads_q, spec.head_dim_v), device=q.device, dtype=torch.float32)
+        lse = torch.empty((num_splits, heads_q, total_q), device=q.device, dtype=torch.float32)
+    else:
+        out = torch.empty((1, total_q, heads_q, spec.head_dim_v), device=q.device, dtype=q.dtype)
+        lse = torch.empty((1, heads_q, total_q), device=q.device, dtype=torch.float32)
+    if batch == 0 or total_q == 0:
+        return AttnOutput(out[0] if num_splits == 1 else out, lse[0] if num_splits == 1 else lse, rng)
+    left, right, has_band = window_bounds(spec)
+    slopes, stride_ab = alibi_args(call)
+    block_table = call.block_table if spec.paged else call.cu_seqlens_q
+    stride_btb = call.block_table.stride(0) if spec.paged else 0
+    seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
+    cu_k = call.cu_seqlens_k if call.cu_seqlens_k is not None else call.cu_seqlens_q
+    max_k = max(spec.max_seqlen_k, 1)
+    split_size = max_k
+    if num_splits > 1:
+        split_size = triton.cdiv(triton.cdiv(max_k, num_splits), 128) * 128
+    grid = lambda meta: (triton.cdiv(max(spec.max_seqlen_q, 1), meta["BLOCK_M"]), heads_q, batch * num_splits)
+    _attn_fwd[grid](
+        q, k, v, out, lse,
+        call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call),
+        *q.stride(),
+        *kv_strides(k, spec.paged),
+        *kv_strides(v, spec.paged),
+        *out.stride(),
+        *lse.stride(),
+        stride_btb, stride_ab,
+        spec.scale, spec.softcap or 1.0, left, right,
+        spec.dropout_p, rng[0], rng[1], split_size,
+        length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
+        GROUP=spec.heads_q // spec.heads_kv,
+        HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
+        HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
+        BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
+        HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
+        PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32,
+    )
+    if num_splits > 1:
+        return AttnOutput(out, lse, rng)
+    return AttnOutput(out[0], lse[0], rng)
+
+

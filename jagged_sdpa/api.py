@@ -371,4 +371,5 @@ def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
 def _with_notes(explanation: Explanation, notes) -> Explanation:
     if not notes:
         return explanation
-    return Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen, tuple(notes))
+    return Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen,
+                       tuple(notes) + explanation.notes)

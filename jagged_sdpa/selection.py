@@ -84,14 +84,16 @@ def select(spec: AttnSpec, forced: Optional[Backend] = None) -> Explanation:
     order = (forced,) if forced is not None else current_order()
     reasons = {b: list(IMPLS[b].reasons(spec)) for b in order}
     chosen = next((b for b in order if not reasons[b]), None)
-    return Explanation(spec, order, reasons, chosen)
+    notes = IMPLS[chosen].plan_notes(spec) if chosen is not None else ()
+    return Explanation(spec, order, reasons, chosen, tuple(notes))
 
 
 def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = ()) -> Explanation:
     """``select`` plus the DEBUG log line, raising ``NoBackendError`` when nothing is eligible."""
     explanation = select(spec, forced)
     if notes:
-        explanation = Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen, notes)
+        explanation = Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen,
+                                  tuple(notes) + explanation.notes)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("jagged_sdpa selection\n%s", explanation)
     if explanation.chosen is None:

@@ -57,6 +57,11 @@ class BackendImpl:
         return (*capability_reasons(spec, cls.caps), *cls.extra_reasons(spec))
 
     @classmethod
+    def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
+        """How this backend would run the call (e.g. a kernel variant it picks), for ``explain``."""
+        return ()
+
+    @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         raise NotImplementedError
 

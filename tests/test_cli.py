@@ -1,0 +1,51 @@
+"""The command line: demo (the main job), explain (tensor-free) and bench."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jagged_sdpa.__main__ import main
+
+
+def test_demo_runs_checks_and_explains(capsys):
+    assert main(["demo", "--repeats", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "check vs padded dense SDPA" in text and "-> OK" in text
+    assert "chosen:" in text and "timings" in text
+
+
+def test_explain_describes_a_cuda_call_without_tensors(capsys):
+    assert main(["explain", "--lengths", "5,17,300", "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+                 "--dtype", "float16", "--device", "cuda", "--capability", "9.0", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("sdpa call: B=3 Hq=8 Hkv=2 D=64 float16 cuda")
+    assert "math" in text and "chosen:" in text
+
+
+def test_explain_forced_backend_and_options(capsys):
+    assert main(["explain", "--lengths", "3,0", "--heads", "2", "--head-dim", "40", "--window", "4,0",
+                 "--softcap", "2", "--requires-grad", "--backend", "math"]) == 0
+    text = capsys.readouterr().out
+    assert "window=(4, 0)" in text and "softcap=2" in text and "chosen: math" in text
+
+
+def test_explain_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        main(["explain", "--lengths", "3,x"])
+    with pytest.raises(SystemExit):
+        main(["explain", "--lengths", "3", "--heads", "3", "--kv-heads", "2"])
+
+
+def test_bench_prints_a_table(capsys):
+    assert main(["bench", "--lengths", "3,9,1", "--heads", "2", "--head-dim", "8", "--repeats", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "padded+mask SDPA" in text and "torch NJT SDPA" in text and "auto (" in text
+
+
+def test_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "jagged_sdpa", "explain", "--lengths", "4,2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "chosen:" in result.stdout

@@ -1,0 +1,383 @@
+"""TRITON backend against the float64 reference, forward and backward, under TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when its kernels are decorated, and the backend imports them on first
+use, so setting the variable here (before any TRITON call in the process) makes them interpreted.
+Shapes are tiny because the interpreter runs every program in Python; bf16 is wrong under the
+Triton 3.9 interpreter, so bf16 and real sizes are ``cuda`` tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import jagged_sdpa  # noqa: E402
+from jagged_sdpa import Backend  # noqa: E402
+from jagged_sdpa.backends import IMPLS  # noqa: E402
+from cases import cu_of, in_nan_buffer  # noqa: E402
+from reference import attention_reference  # noqa: E402
+from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tensors(lens_q, lens_k, hq, hkv, d, dv, dtype, device=DEVICE):
+    q = torch.randn(sum(lens_q), hq, d, device=device).to(dtype)
+    k = torch.randn(sum(lens_k), hkv, d, device=device).to(dtype)
+    v = torch.randn(sum(lens_k), hkv, dv, device=device).to(dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, cu_q, cu_k, grad_out=None, **opts):
+    """float64 out, lse and (when grad_out is given) gradients, by autograd through the reference."""
+    q64, k64, v64 = (x.detach().double().requires_grad_(grad_out is not None) for x in (q, k, v))
+    out, lse = attention_reference(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), **opts)
+    grads = None
+    if grad_out is not None:
+        out.backward(grad_out.double())
+        grads = (q64.grad, k64.grad, v64.grad)
+    return out.detach(), lse.detach(), grads
+
+
+def _check_varlen(lens_q, lens_k, *, hq=2, hkv=2, d=16, dv=None, dtype=torch.float32, backward=True,
+                  causal=False, window=(-1, -1), softcap=0.0, alibi=None, seqused=None, device=DEVICE):
+    dv = d if dv is None else dv
+    q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, dv, dtype, device)
+    cu_q, cu_k = cu_of(lens_q).to(device), cu_of(lens_k).to(device)
+    slopes = None
+    if alibi == "per_head":
+        slopes = torch.rand(hq, device=device)
+    elif alibi == "per_batch_head":
+        slopes = torch.rand(len(lens_q), hq, device=device)
+    used = None if seqused is None else torch.tensor(seqused, dtype=torch.int32, device=device)
+    for x in (q, k, v):
+        x.requires_grad_(backward)
+    out, lse = jagged_sdpa.varlen_attention(
+        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+        seqused_k=used, return_lse=True, backend="triton")
+    grad_out = torch.randn_like(out) if backward else None
+    ref_out, ref_lse, ref_grads = _reference(
+        q, k, v, cu_q, cu_k, grad_out, causal=causal, alignment="bottom_right", window=window, softcap=softcap,
+        alibi_slopes=slopes, seqused_k=used)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist(), name="out")
+    assert_close_lse(lse, ref_lse)
+    if backward:
+        out.backward(grad_out)
+        for name, x, ref, cu in (("dq", q, ref_grads[0], cu_q), ("dk", k, ref_grads[1], cu_k),
+                                 ("dv", v, ref_grads[2], cu_k)):
+            assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+
+# Each option appears at least once, forward and backward; lengths include 0, 1 and a masked D.
+VARLEN_CASES = {
+    "plain-ragged-empty-gqa-D40-Dv24": dict(lens_q=[0, 1, 5, 17], lens_k=[3, 0, 9, 17], hq=4, hkv=2, d=40, dv=24),
+    "causalBR-longer-keys": dict(lens_q=[1, 5, 17], lens_k=[9, 5, 12], causal=True),
+    "window-mqa-D64": dict(lens_q=[5, 17], lens_k=[17, 6], hq=4, hkv=1, d=64, window=(3, 2)),
+    "causal-window-alibi-per-batch-head": dict(lens_q=[17, 4, 0], lens_k=[17, 9, 2], causal=True,
+                                               window=(4, 0), alibi="per_batch_head"),
+    "softcap-alibi-per-head-f16": dict(lens_q=[5, 17], lens_k=[17, 5], hq=4, hkv=2, d=40, dtype=torch.float16,
+                                       softcap=2.0, alibi="per_head"),
+    "causal-gqa-f16": dict(lens_q=[17, 1, 0], lens_k=[17, 8, 3], hq=4, hkv=2, dtype=torch.float16, causal=True),
+    "seqused-k": dict(lens_q=[3, 5, 2], lens_k=[9, 17, 4], seqused=[4, 17, 0], causal=True),
+    "long-tail": dict(lens_q=[1, 1, 1, 1, 40], lens_k=[1, 1, 1, 1, 40], causal=True, backward=False),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES), ids=list(VARLEN_CASES))
+def test_varlen_matches_reference(case):
+    _check_varlen(**VARLEN_CASES[case])
+
+
+def _njt(values: torch.Tensor, lengths) -> torch.Tensor:
+    offsets = cu_of(lengths).to(torch.int64).to(values.device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets).transpose(1, 2)
+
+
+def test_sdpa_top_left_cross_attention_from_fused_qkv_buffer():
+    """Strided q/k/v (chunks of one fused projection), top-left causal with unequal lengths."""
+    lens_q, lens_k, h, d = [5, 1, 12], [9, 4, 3], 2, 16
+    qkv = torch.randn(sum(lens_q), 3, h, d, device=DEVICE, requires_grad=True)
+    kv = torch.randn(sum(lens_k), 2, h, d, device=DEVICE, requires_grad=True)
+    q_vals, k_vals, v_vals = qkv[:, 0], kv[:, 0], kv[:, 1]
+    out = jagged_sdpa.sdpa(_njt(q_vals, lens_q), _njt(k_vals, lens_k), _njt(v_vals, lens_k), is_causal=True,
+                           backend="triton")
+    packed = out.transpose(1, 2).values()
+    grad_out = torch.randn_like(packed)
+    cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
+    ref_out, _, (dq, dk, dv) = _reference(q_vals, k_vals, v_vals, cu_q, cu_k, grad_out, causal=True,
+                                          alignment="top_left")
+    assert_close_packed(packed, ref_out, cu_seqlens=cu_q.tolist())
+    packed.backward(grad_out)
+    assert_close_packed(qkv.grad[:, 0], dq, cu_seqlens=cu_q.tolist(), name="dq", grad=True)
+    assert_close_packed(kv.grad[:, 0], dk, cu_seqlens=cu_k.tolist(), name="dk", grad=True)
+    assert_close_packed(kv.grad[:, 1], dv, cu_seqlens=cu_k.tolist(), name="dv", grad=True)
+    assert torch.count_nonzero(qkv.grad[:, 1:]) == 0
+
+
+def test_sdpa_dense_kv_gqa_bottom_right_window():
+    lens_q, hq, hkv, s, d = [3, 0, 7], 4, 2, 6, 16
+    q_vals = torch.randn(sum(lens_q), hq, d, device=DEVICE, requires_grad=True)
+    key = torch.randn(len(lens_q), hkv, s, d, device=DEVICE, requires_grad=True)
+    value = torch.randn(len(lens_q), hkv, s, d, device=DEVICE, requires_grad=True)
+    out = jagged_sdpa.sdpa(_njt(q_vals, lens_q), key, value, enable_gqa=True, causal_alignment="bottom_right",
+                           window_size=(2, 1), backend=Backend.TRITON)
+    packed = out.transpose(1, 2).values()
+    grad_out = torch.randn_like(packed)
+    k_packed = key.detach().transpose(1, 2).reshape(-1, hkv, d)
+    v_packed = value.detach().transpose(1, 2).reshape(-1, hkv, d)
+    cu_q, cu_k = cu_of(lens_q), cu_of([s] * len(lens_q))
+    ref_out, _, (dq, dk, dv) = _reference(q_vals, k_packed, v_packed, cu_q, cu_k, grad_out,
+                                          alignment="bottom_right", window=(2, 1))
+    assert_close_packed(packed, ref_out, cu_seqlens=cu_q.tolist())
+    packed.backward(grad_out)
+    assert_close_packed(q_vals.grad, dq, cu_seqlens=cu_q.tolist(), name="dq", grad=True)
+    assert_close_packed(key.grad.transpose(1, 2).reshape(-1, hkv, d), dk, cu_seqlens=cu_k.tolist(), name="dk",
+                        grad=True)
+    assert_close_packed(value.grad.transpose(1, 2).reshape(-1, hkv, d), dv, cu_seqlens=cu_k.tolist(), name="dv",
+                        grad=True)
+
+
+def test_nan_tails_are_never_read():
+    lens_q, lens_k = [0, 5, 17], [4, 17, 0]
+    q, k, v = (in_nan_buffer(x) for x in _tensors(lens_q, lens_k, 2, 1, 40, 24, torch.float32, "cpu"))
+    q, k, v = (x.to(DEVICE).requires_grad_() for x in (q, k, v))
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="triton")
+    out.sum().backward()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert not torch.isnan(t).any()
+    ref_out, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_all_empty_batch():
+    q, k, v = _tensors([0, 0], [0, 3], 2, 2, 16, 16, torch.float32)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of([0, 0]).to(DEVICE), cu_of([0, 3]).to(DEVICE),
+                                            return_lse=True, backend="triton")
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged KV cache and split-k decode
+
+
+def _paged_cache(lens_k, hkv, d, dv, block_size, dtype=torch.float32):
+    """A NaN-filled cache holding each sequence's keys in shuffled blocks (one block shared by no one
+    and slots past seqused_k left NaN), plus the packed keys the reference sees."""
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in lens_k]
+    num_blocks = sum(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks).tolist()
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, hkv, dv), float("nan"), dtype=dtype)
+    table = torch.zeros(len(lens_k), max(blocks_per_seq) + 1, dtype=torch.int32)
+    k_packed = torch.randn(sum(lens_k), hkv, d).to(dtype)
+    v_packed = torch.randn(sum(lens_k), hkv, dv).to(dtype)
+    nxt, start = 0, 0
+    for b, n in enumerate(lens_k):
+        for i in range(blocks_per_seq[b]):
+            blk = perm[nxt]
+            nxt += 1
+            table[b, i] = blk
+            rows = slice(start + i * block_size, start + min(n, (i + 1) * block_size))
+            count = rows.stop - rows.start
+            if count > 0:
+                k_cache[blk, :count] = k_packed[rows]
+                v_cache[blk, :count] = v_packed[rows]
+        start += n
+    # An entry no row needs points at a block that does not exist: it must never be read.
+    return k_cache, v_cache, table, k_packed, v_packed
+
+
+@pytest.mark.parametrize("block_size,opts", [
+    (16, dict(causal=True, softcap=3.0)),
+    (32, dict(window_size=(5, 0), alibi="per_head")),
+], ids=["bs16-causal-softcap", "bs32-window-alibi"])
+def test_paged_mixed_prefill_and_decode(block_size, opts):
+    lens_q, lens_k, hq, hkv, d, dv = [5, 1, 0, 1], [20, 33, 7, 1], 4, 2, 40, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, dv, block_size)
+    q = torch.randn(sum(lens_q), hq, d)
+    slopes = torch.rand(hq) if opts.get("alibi") else None
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    out, lse = jagged_sdpa.varlen_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, max(lens_q),
+        max(lens_k), block_table=table.to(DEVICE), seqused_k=used.to(DEVICE), causal=opts.get("causal", False),
+        window_size=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+        alibi_slopes=None if slopes is None else slopes.to(DEVICE), return_lse=True, backend="triton")
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k),
+                                     causal=opts.get("causal", False), alignment="bottom_right",
+                                     window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+                                     alibi_slopes=slopes)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_paged_decode_uses_split_k_and_explains_it():
+    """Few queries over long contexts: the rule picks split-k, explain shows it, results match."""
+    lens_q, lens_k, hq, hkv, d = [1, 1], [300, 261], 2, 1, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 64)
+    q = torch.randn(sum(lens_q), hq, d)
+    args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, 1, max(lens_k))
+    kwargs = dict(block_table=table.to(DEVICE), seqused_k=torch.tensor(lens_k, dtype=torch.int32, device=DEVICE),
+                  causal=True, backend="triton")
+    explanation = jagged_sdpa.explain(*args, **kwargs)
+    assert any("split-k decode over" in note for note in explanation.notes), str(explanation)
+    assert "split-k" in str(explanation)
+    out, lse = jagged_sdpa.varlen_attention(*args, return_lse=True, **kwargs)
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k), causal=True,
+                                     alignment="bottom_right")
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_split_k_merge_with_every_option():
+    """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
+    from jagged_sdpa.backends.triton.decode import merge_splits
+    from jagged_sdpa.backends.triton.fwd import launch_fwd
+    from jagged_sdpa.api import _prepare_varlen
+
+    lens_q, lens_k, hq, hkv, d = [2, 0, 3], [150, 40, 300], 2, 1, 16
+    q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, 24, torch.float32)
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    slopes = torch.rand(len(lens_q), hq, device=DEVICE)
+    call, _, _ = _prepare_varlen(q, k, v, cu_q, cu_k, None, None, 0.0, None, True, (100, -1), 4.0, slopes,
+                                 True, None, None, "triton")
+    parts = launch_fwd(call, num_splits=3)
+    assert parts.out.shape[0] == 3
+    out, lse = merge_splits(parts.out, parts.lse, q.dtype)
+    ref_out, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right", window=(100, -1),
+                                     softcap=4.0, alibi_slopes=slopes)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dropout
+
+
+def _one_hot_values(lens_k, hkv, dtype=torch.float32):
+    """v[key j of its sequence, h] = e_j, so out[i, h, j] = P_ij * keep_ij / (1 - p) exposes the mask."""
+    width = max(lens_k)
+    v = torch.zeros(sum(lens_k), hkv, width, dtype=dtype)
+    start = 0
+    for n in lens_k:
+        v[start + torch.arange(n), :, torch.arange(n)] = 1.0
+        start += n
+    return v.to(DEVICE)
+
+
+def _dropout_reference(q, k, v, keep, cu_q, cu_k, p, grad_out):
+    """float64 out = (softmax(q k^T * scale) o keep / (1 - p)) v per sequence, and its gradients."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        kb = k64[ks:ke].repeat_interleave(group, dim=1)
+        vb = v64[ks:ke].repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("ihd,jhd->hij", q64[qs:qe], kb) * scale, dim=-1)
+        dropped = probs * keep[b].double() / (1 - p)
+        outs.append(torch.einsum("hij,jhd->ihd", dropped, vb))
+    out = torch.cat(outs)
+    out.backward(grad_out.double())
+    return out.detach(), (q64.grad, k64.grad, v64.grad)
+
+
+def test_dropout_mask_is_seeded_and_identical_in_forward_and_backward():
+    lens, hq, hkv, d, p = [6, 17], 2, 1, 16, 0.3
+    q, k, v = _tensors(lens, lens, hq, hkv, d, d, torch.float32)
+    cu = cu_of(lens).to(DEVICE)
+    v_one_hot = _one_hot_values(lens, hkv)
+    torch.manual_seed(123)
+    probe = jagged_sdpa.varlen_attention(q, k, v_one_hot, cu, cu, dropout_p=p, backend="triton")
+    keep = []
+    for b in range(len(lens)):
+        block = probe[int(cu[b]):int(cu[b + 1]), :, :lens[b]]        # (i, h, j)
+        keep.append((block > 0).permute(1, 0, 2))                    # (h, i, j)
+    dropped = 1 - torch.cat([m.flatten() for m in keep]).float().mean().item()
+    assert 0.15 < dropped < 0.45, dropped
+
+    for x in (q, k, v):
+        x.requires_grad_()
+    torch.manual_seed(123)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, dropout_p=p, backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, ref_grads = _dropout_reference(q, k, v, keep, cu, cu, p, grad_out)
+    assert_close_packed(out, ref_out, cu_seqlens=cu.tolist())
+    for name, x, ref in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+    torch.manual_seed(123)
+    again = jagged_sdpa.varlen_attention(q, k, v_one_hot, cu, cu, dropout_p=p, backend="triton")
+    assert torch.equal(again, probe)
+    torch.manual_seed(124)
+    other = jagged_sdpa.varlen_attention(q, k, v_one_hot, cu, cu, dropout_p=p, backend="triton")
+    assert not torch.equal(other, probe)
+
+
+# ---------------------------------------------------------------------------------------------------
+# eligibility
+
+
+def _spec(**changes):
+    from jagged_sdpa.spec import AttnSpec
+
+    base = AttnSpec(entry="varlen", device_type="cpu", capability=None, dtype=torch.float32, batch=2, heads_q=2,
+                    heads_kv=2, head_dim=64, head_dim_v=64, total_q=8, total_k=8, max_seqlen_q=4,
+                    max_seqlen_k=4, has_empty_q=False, has_empty_k=False, lengths_known=True)
+    return base.replace(**changes)
+
+
+def test_reasons(monkeypatch):
+    triton_impl = IMPLS[Backend.TRITON]
+    assert triton_impl.reasons(_spec()) == ()
+    assert triton_impl.reasons(_spec(device_type="cuda", dtype=torch.bfloat16, head_dim=80, head_dim_v=96)) == ()
+    assert any("dtype float64 not supported" in r for r in triton_impl.reasons(_spec(dtype=torch.float64)))
+    assert any("head_dim 320 > 256" in r for r in triton_impl.reasons(_spec(head_dim=320)))
+    paged = _spec(paged=True, block_size=24, seqused_k=True, needs_grad=True)
+    reasons = triton_impl.reasons(paged)
+    assert "block_size 24 not a power of two >= 16" in reasons
+    assert any(r.startswith("paged KV cache with a gradient needed") for r in reasons)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_impl.reasons(_spec()) == (
+        "cpu tensors need TRITON_INTERPRET=1 (set: unset) - set it before the first triton call",)
+    assert triton_impl.reasons(_spec(device_type="cuda")) == ()
+
+
+def test_split_rule_reads_only_the_spec():
+    from jagged_sdpa.backends.triton.decode import plan_splits
+
+    assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=4096)) > 1
+    assert plan_splits(_spec(max_seqlen_q=64, max_seqlen_k=4096)) == 1
+    assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=100)) == 1
+    assert IMPLS[Backend.TRITON].plan_notes(_spec()) == ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA at real sizes (a later GPU session)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 96], ids=["D64", "D128", "D96"])
+def test_cuda_real_sizes(dtype, causal, d):
+    _check_varlen([0, 1, 77, 300, 513], [5, 1, 77, 320, 513], hq=8, hkv=2, d=d, dtype=dtype, causal=causal,
+                  device="cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_all_options_bf16():
+    _check_varlen([17, 130, 0, 64], [40, 130, 5, 200], hq=4, hkv=2, d=80, dv=48, dtype=torch.bfloat16,
+                  causal=True, window=(32, 8), softcap=5.0, alibi="per_batch_head", seqused=[40, 100, 0, 150],
+                  device="cuda")

@@ -118,7 +118,7 @@ def slopes_for(call: PackedCall, b: int):
 class MathBackend(BackendImpl):
     backend = Backend.MATH
     caps = Capabilities(
-        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}),
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "hpu"}),
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
     )

@@ -98,6 +98,12 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
             v_packed, _ = layout.njt_packed(value)
+    if kv_dense:
+        # Every Lq <= max_seqlen_q == S and they sum to B * S: all equal S, no read needed.
+        equal = stats_q.max_seqlen == seq_k and q_packed.shape[0] == batch * seq_k
+    else:
+        shared = key.offsets() is query.offsets() and key.lengths() is None and query.lengths() is None
+        equal = shared or _equal_lengths(stats_q.cu_host, stats_k.cu_host)
     spec = AttnSpec(
         entry="sdpa",
         device_type=query.device.type,
@@ -127,6 +133,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return_lse=False,
         last_dim_contiguous=layout.last_dim_contiguous(q_packed, k_packed, v_packed),
         row_stride_align=layout.row_stride_align(q_packed, k_packed, v_packed),
+        equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
                       cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
@@ -135,6 +142,12 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
 
 def _lengths(cu: tuple[int, ...]) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _equal_lengths(cu_q_host, cu_k_host) -> bool:
+    """Whether host-read lengths show Lq == Lk for every sequence (False when not read): the
+    fact that makes top-left and bottom-right alignment coincide."""
+    return cu_q_host is not None and cu_k_host is not None and tuple(cu_q_host) == tuple(cu_k_host)
 
 
 def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes):
@@ -274,6 +287,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         paged=paged,
         block_size=block_size,
         seqused_k=seqused_k is not None,
+        equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)

@@ -55,6 +55,7 @@ class AttnSpec:
     paged: bool = False                   # keys/values live in a block-table KV cache
     block_size: int = 0                   # paged cache block size (0 when not paged)
     seqused_k: bool = False               # a seqused_k tensor limits the keys of each sequence
+    equal_lengths: bool = False           # every sequence has Lq == Lk (known without a read, or read)
 
     @property
     def gqa_group(self) -> int:

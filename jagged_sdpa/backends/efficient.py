@@ -1,21 +1,182 @@
-"""EFFICIENT: PyTorch's memory-efficient kernel (aten._efficient_attention_forward/backward)."""
+"""EFFICIENT: PyTorch's memory-efficient (CUTLASS) kernel (aten._efficient_attention_forward/backward).
+
+What the kernel is (``aten/src/ATen/native/transformers/cuda/attention.cu`` and
+``attention_backward.cu``, ``mem_eff_attention/kernel_forward.h``): sm50 or newer, fp32/fp16 and
+bf16 (bf16 from sm80), any head dim whose size is a multiple of 16 bytes (we zero-pad), Dv != D,
+varlen as a batch of 1 with ``cu_seqlens``; ``custom_mask_type`` 0 none, 1 causal top-left,
+2 causal bottom-right, and ``window_size`` W only on top of a causal mask (keys i' - W < j <= i',
+i.e. our left window W - 1). No GQA (the op wants equal head counts: we expand K/V and sum the
+gradients back), no ALiBi (its only bias is a dense (B, H, Lq, Lk) tensor, refused with
+cu_seqlens by the backward), no softcap, ``seqlen_k`` (our seqused_k) in the forward only.
+Dropout draws (seed, offset) from the default CUDA generator; they come back as tensors.
+lse is float32 (B, H, W) with sequence b's rows at [b, :, :Lq_b]. Rows that see no key and keys
+no query sees are zeroed from the lengths (device-side), not trusted to the kernel.
+"""
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
+from jagged_sdpa.backends import cuda_common as cc
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.checks.capability import Capabilities
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+FORWARD_OP = "_efficient_attention_forward"
+BACKWARD_OP = "_efficient_attention_backward"
+
+MASK_NONE, MASK_CAUSAL_TOP_LEFT, MASK_CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+
+class EfficientState(NamedTuple):
+    philox_seed: Tensor
+    philox_offset: Tensor
+    lse_shape: tuple[int, ...]
+
+
+def alignment_elements(dtype: torch.dtype) -> int:
+    """Head dims must hold whole 16-byte vectors: 8 halves, 4 floats."""
+    return cc.KERNEL_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def causal_like(spec: AttnSpec) -> bool:
+    """A window (l, 0) without causal masks exactly like causal with a left window."""
+    return spec.causal or (spec.has_window and spec.window[1] == 0)
+
+
+def mask_arguments(spec: AttnSpec) -> tuple[int, Optional[int]]:
+    """(custom_mask_type, window_size or None) for ``spec``; only valid when it is eligible."""
+    if not causal_like(spec):
+        return MASK_NONE, None
+    mask = MASK_CAUSAL_TOP_LEFT if spec.alignment == "top_left" else MASK_CAUSAL_BOTTOM_RIGHT
+    left = spec.window[0]
+    return mask, (left + 1 if left >= 0 else None)
+
+
+def _pad_widths(spec: AttnSpec) -> tuple[int, int]:
+    a = alignment_elements(spec.dtype)
+    return cc.round_up(spec.head_dim, a), cc.round_up(spec.head_dim_v, a)
+
+
+def _prepare(call: PackedCall) -> tuple[Tensor, Tensor, Tensor]:
+    """(1, T, Hq, D') views the op takes: padded, GQA-expanded, aligned."""
+    spec = call.spec
+    d, dv = _pad_widths(spec)
+    q = cc.kernel_ready(cc.pad_head_dim(call.q, d))
+    k = cc.kernel_ready(cc.expand_kv_heads(cc.pad_head_dim(call.k, d), spec.gqa_group))
+    v = cc.kernel_ready(cc.expand_kv_heads(cc.pad_head_dim(call.v, dv), spec.gqa_group))
+    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
 
 
 class EfficientBackend(BackendImpl):
     backend = Backend.EFFICIENT
-    caps = Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}))
+    caps = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        head_dim_max=65536,  # kMaxK of the CUTLASS kernels that stream the head dim from memory
+        min_capability=(5, 0),
+        softcap=False,
+        alibi=False,
+        paged=False,
+        notes=(
+            "top-left and bottom-right causal; windows only as causal + left window",
+            "GQA by expanding K/V (costs Hq/Hkv x K/V memory)",
+            "head dims padded to 16 bytes; seqused_k forward only",
+        ),
+    )
 
     @classmethod
-    @functools.cache
     def is_available(cls) -> Optional[str]:
-        return "not implemented yet"
+        if (why := cc.cuda_unavailable_reason()) is not None:
+            return why
+        if not cc.op_arguments(FORWARD_OP) or not cc.op_arguments(BACKWARD_OP):
+            return f"this torch has no aten.{FORWARD_OP}/{BACKWARD_OP}"
+        return None
+
+    @classmethod
+    def extra_reasons(cls, spec: AttnSpec):
+        if spec.dtype == torch.bfloat16 and spec.capability is not None and spec.capability < (8, 0):
+            yield "bfloat16 on sm%d%d - the efficient kernel has bfloat16 from sm80" % spec.capability
+        if spec.has_window and not causal_like(spec):
+            yield (f"window_size {spec.window} without causal and right != 0 - efficient has only causal "
+                   "sliding windows; use is_causal or right=0")
+        if spec.seqused_k and spec.needs_grad:
+            yield "seqused_k with a gradient needed - aten._efficient_attention_backward takes no seqlen_k"
+        _, window = mask_arguments(spec)
+        needed = (
+            (window is not None, FORWARD_OP, "window_size", "window_size"),
+            (window is not None and spec.needs_grad, BACKWARD_OP, "window_size", "window_size backward"),
+            (spec.seqused_k, FORWARD_OP, "seqlen_k", "seqused_k"),
+        )
+        for wanted, op, argument, feature in needed:
+            if wanted and (why := cc.missing_argument_reason(feature, op, argument)) is not None:
+                yield why
+
+    @classmethod
+    def forward(cls, call: PackedCall) -> AttnOutput:
+        spec = call.spec
+        max_q, max_k = cc.clamp_max_seqlens(spec)
+        if max_q == 0 or max_k == 0:
+            # No query, or no key anywhere: the backward op refuses max_seqlen 0 and there is
+            # nothing to compute.
+            out, lse = cc.empty_result(call)
+            return AttnOutput(out, lse if spec.return_lse else None, None)
+        q, k, v = _prepare(call)
+        mask, window = mask_arguments(spec)
+        kwargs = {"scale": spec.scale}
+        if window is not None:
+            kwargs["window_size"] = window
+        if call.seqused_k is not None:
+            kwargs["seqlen_k"] = call.seqused_k.contiguous()
+        out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, None, call.cu_seqlens_q.contiguous(), call.cu_seqlens_k.contiguous(), max_q, max_k,
+            spec.dropout_p, mask, spec.return_lse, **kwargs,
+        )
+        out = out[0, :, :, :spec.head_dim_v]
+        state = EfficientState(seed, offset, tuple(lse.shape))
+        geom = cc.query_geometry(call) if (spec.return_lse or cc.rows_may_be_empty(spec)) else None
+        empty = cc.empty_query_rows(geom, spec) if cc.rows_may_be_empty(spec) else None
+        if empty is not None:
+            # 0 / 0 in the kernel's final normalisation: set from the lengths, not from its output.
+            out = out.masked_fill(empty[:, None, None], 0)
+        if not spec.return_lse:
+            return AttnOutput(out, None, state)
+        lse = cc.lse_to_packed(lse, geom)
+        if empty is not None:
+            lse = lse.masked_fill(empty.unsqueeze(0), -math.inf)
+        return AttnOutput(out, lse, state)
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: EfficientState):
+        spec = call.spec
+        if state is None:
+            return cc.zero_grads(call)
+        d, dv = _pad_widths(spec)
+        max_q, max_k = cc.clamp_max_seqlens(spec)
+        q, k, v = _prepare(call)
+        out_p = cc.kernel_ready(cc.pad_head_dim(out, dv)).unsqueeze(0)
+        grad_p = cc.kernel_ready(cc.pad_head_dim(grad_out, dv)).unsqueeze(0)
+        geom = cc.query_geometry(call)
+        mask, window = mask_arguments(spec)
+        kwargs = {"scale": spec.scale}
+        if window is not None:
+            kwargs["window_size"] = window
+        dq, dk, dv_, _ = torch.ops.aten._efficient_attention_backward(
+            grad_p, q, k, v, None, out_p, call.cu_seqlens_q.contiguous(), call.cu_seqlens_k.contiguous(),
+            max_q, max_k, cc.lse_to_native(lse, state.lse_shape, geom), spec.dropout_p,
+            state.philox_seed, state.philox_offset, mask, False, **kwargs,
+        )
+        dq = dq[0, :, :, :spec.head_dim]
+        dk = cc.sum_kv_head_groups(dk[0], spec.gqa_group)[..., :spec.head_dim]
+        dv_ = cc.sum_kv_head_groups(dv_[0], spec.gqa_group)[..., :spec.head_dim_v]
+        if cc.rows_may_be_empty(spec):
+            dq = dq.masked_fill(cc.empty_query_rows(geom, spec)[:, None, None], 0)
+        if cc.keys_may_be_unseen(spec):
+            # The kernel may skip key blocks no query reaches; their gradients are 0 by definition.
+            unseen = cc.unseen_key_rows(cc.key_geometry(call), spec)[:, None, None]
+            dk, dv_ = dk.masked_fill(unseen, 0), dv_.masked_fill(unseen, 0)
+        return dq, dk, dv_

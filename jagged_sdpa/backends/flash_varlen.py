@@ -1,21 +1,219 @@
-"""FLASH_VARLEN: PyTorch's FlashAttention-2 varlen kernel (aten._flash_attention_forward/backward)."""
+"""FLASH_VARLEN: PyTorch's FlashAttention-2 varlen kernel (aten._flash_attention_forward/backward).
+
+What the kernel is (PyTorch's copy of flash-attn 2, ``aten/src/ATen/native/transformers/cuda/
+flash_attn/flash_api.cpp``, ``mha_varlen_fwd``/``mha_varlen_bwd``): sm80 or newer, fp16/bf16,
+head dim <= 256 and a multiple of 8 (we zero-pad, and pad q/k/v to one common width so Dv != D
+works too), native GQA, causal and windows always bottom-right aligned, ALiBi in the forward
+only (the backward op takes no slopes), dropout from the default CUDA generator with its
+(seed, offset) returned as ``rng_state``, ``seqused_k`` and a paged cache (``block_table``,
+block size a multiple of 256) in the forward only. lse is float32 (Hq, total_q) with +inf for
+rows that see no key (we report -inf, API.md); such rows' outputs are written as 0.
+"""
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
+from jagged_sdpa.backends import cuda_common as cc
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.checks.capability import Capabilities
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+FORWARD_OP = "_flash_attention_forward"
+BACKWARD_OP = "_flash_attention_backward"
+PAGED_BLOCK_MULTIPLE = 256  # flash_api.cpp: "Paged KV cache block size must be divisible by 256"
+
+
+class FlashState(NamedTuple):
+    """What the backward needs besides q/k/v/out/lse: the dropout RNG state and the windows passed."""
+
+    rng_state: Tensor
+    unused: Tensor
+    window_kwargs: dict
+    lse_shape: tuple[int, ...]  # the op's own lse layout, rebuilt for its backward
+
+
+def padded_head_dim(spec: AttnSpec) -> int:
+    """One width for q, k and v (the kernel takes a single head size), a multiple of 8."""
+    return cc.round_up(max(spec.head_dim, spec.head_dim_v), 8)
+
+
+def _training_head_dim_reason(spec: AttnSpec) -> Optional[str]:
+    # sdp_utils.cpp check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: these GPUs have
+    # too little shared memory for the backward kernels of the largest head dims.
+    if not spec.needs_grad or spec.capability is None or not ((8, 6) <= spec.capability <= (8, 9)):
+        return None
+    d = padded_head_dim(spec)
+    if 192 < d <= 224 or (d > 224 and spec.dropout_p > 0):
+        return (f"head_dim {d} backward{' with dropout' if spec.dropout_p else ''} on sm{spec.capability[0]}"
+                f"{spec.capability[1]} - flash needs sm80/sm90 shared memory for it")
+    return None
+
+
+def _window_kwargs(spec: AttnSpec, max_k: int) -> dict:
+    """Window arguments for both ops; empty when the kernel's defaults already mean "no window".
+
+    With one query per sequence, GQA and no window, mha_varlen_fwd folds the query heads into the
+    sequence dim (``seqlenq_ngroups_swapped``): that reshape fails when a sequence has no query,
+    and its lse layout is not the one we document. A left window of max_seqlen_k keeps the kernel
+    off that path and means "unbounded" (the op resets windows >= max_seqlen_k to -1).
+    """
+    if spec.has_window:
+        return {"window_size_left": spec.window[0], "window_size_right": spec.window[1]}
+    swap_possible = (min(spec.max_seqlen_q, spec.total_q) == 1 and spec.heads_q > spec.heads_kv
+                     and spec.dropout_p == 0 and spec.alibi is None)
+    if swap_possible and (spec.return_lse or spec.total_q != spec.batch):
+        return {"window_size_left": max(max_k, 1), "window_size_right": -1}
+    return {}
+
+
+def _alibi_lse_correction(call: PackedCall, lse: Tensor) -> Tensor:
+    """Causal ALiBi without a window adds slope * j (not -slope * |i' - j|): the softmax is the same
+    (the difference is constant per row) but the lse is slope * i' too large; remove it."""
+    geom = cc.query_geometry(call)
+    i_aligned = cc.aligned_query_position(geom, "bottom_right").to(torch.float32)
+    return lse - cc.slopes_per_row(call.alibi_slopes, geom) * i_aligned.unsqueeze(0)
+
+
+def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Padded, aligned q/k/v and the cu_seqlens_k the op needs (a paged call has none: the keys'
+    cumulative lengths are rebuilt from seqused_k on the device)."""
+    q = cc.kernel_ready(cc.pad_head_dim(call.q, width))
+    k = cc.kernel_ready(cc.pad_head_dim(call.k, width))
+    v = cc.kernel_ready(cc.pad_head_dim(call.v, width))
+    if call.spec.paged:
+        cu_k = cc.cu_seqlens_from_lengths(call.seqused_k)
+    else:
+        cu_k = call.cu_seqlens_k.contiguous()
+    return q, k, v, cu_k
+
+
+def _max_seqlens(spec: AttnSpec) -> tuple[int, int]:
+    max_q, max_k = cc.clamp_max_seqlens(spec)
+    if spec.paged:
+        max_k = spec.max_seqlen_k  # total_k is the cache capacity there, not a packed total
+    return max_q, max_k
 
 
 class FlashVarlenBackend(BackendImpl):
     backend = Backend.FLASH_VARLEN
-    caps = Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}))
+    caps = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dim_max=256,
+        min_capability=(8, 0),
+        softcap=False,
+        alibi_backward=False,
+        paged=True,
+        notes=(
+            "bottom-right causal/window/ALiBi; top-left only when every Lq == Lk",
+            "head dims padded to a multiple of 8; Dv != D padded to one width",
+            "seqused_k and paged KV (block size % 256 == 0) forward only",
+        ),
+    )
 
     @classmethod
-    @functools.cache
     def is_available(cls) -> Optional[str]:
-        return "not implemented yet"
+        return _availability()
+
+    @classmethod
+    def extra_reasons(cls, spec: AttnSpec):
+        positional = spec.causal or spec.has_window or spec.alibi is not None
+        if spec.alignment == "top_left" and positional and not spec.equal_lengths:
+            yield ("causal_alignment top_left with Lq != Lk (or lengths unknown) - flash aligns "
+                   "bottom-right only; use bottom_right or equal lengths")
+        if spec.seqused_k and spec.needs_grad:
+            yield "seqused_k with a gradient needed - aten._flash_attention_backward takes no seqused_k"
+        if spec.paged:
+            if spec.needs_grad:
+                yield "paged kv cache with a gradient needed - aten._flash_attention_backward takes no block_table"
+            if spec.block_size % PAGED_BLOCK_MULTIPLE:
+                yield f"paged block_size {spec.block_size} not a multiple of {PAGED_BLOCK_MULTIPLE} (flash kernel rule)"
+            if spec.head_dim % 8 or spec.head_dim_v != spec.head_dim:
+                yield (f"paged kv cache with head_dim {spec.head_dim}/head_dim_v {spec.head_dim_v} - flash "
+                       "needs equal multiples of 8 here (padding would copy the whole cache)")
+            if spec.dropout_p:
+                yield f"dropout_p {spec.dropout_p:g} with a paged kv cache - flash's split-kv kernel has no dropout"
+        if (why := _training_head_dim_reason(spec)) is not None:
+            yield why
+        needed = (
+            (bool(_window_kwargs(spec, 1)), FORWARD_OP, "window_size_left", "window_size"),
+            (spec.has_window and spec.needs_grad, BACKWARD_OP, "window_size_left", "window_size backward"),
+            (spec.seqused_k, FORWARD_OP, "seqused_k", "seqused_k"),
+            (spec.alibi is not None, FORWARD_OP, "alibi_slopes", "alibi_slopes"),
+            (spec.paged, FORWARD_OP, "block_table", "paged kv cache"),
+        )
+        for wanted, op, argument, feature in needed:
+            if wanted and (why := cc.missing_argument_reason(feature, op, argument)) is not None:
+                yield why
+
+    @classmethod
+    def forward(cls, call: PackedCall) -> AttnOutput:
+        spec = call.spec
+        if spec.total_q == 0:  # a zero-size grid is a CUDA launch error, not an empty result
+            out, lse = cc.empty_result(call)
+            return AttnOutput(out, lse if spec.return_lse else None, None)
+        width = padded_head_dim(spec)
+        q, k, v, cu_k = _prepare(call, width)
+        max_q, max_k = _max_seqlens(spec)
+        window_kwargs = _window_kwargs(spec, max_k)
+        kwargs = {"scale": spec.scale, **window_kwargs}
+        if call.seqused_k is not None:
+            kwargs["seqused_k"] = call.seqused_k.contiguous()
+        if call.alibi_slopes is not None:
+            kwargs["alibi_slopes"] = call.alibi_slopes.contiguous()
+        if spec.paged:
+            kwargs["block_table"] = call.block_table.contiguous()
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, call.cu_seqlens_q.contiguous(), cu_k, max_q, max_k, spec.dropout_p, spec.causal, False,
+            **kwargs,
+        )
+        out = out[..., :spec.head_dim_v]
+        state = FlashState(rng_state, unused, window_kwargs, tuple(lse.shape))
+        if not spec.return_lse:
+            return AttnOutput(out, None, state)
+        # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
+        lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
+        lse = lse.masked_fill(lse == math.inf, -math.inf)
+        if call.alibi_slopes is not None and spec.causal and not spec.has_window:
+            lse = _alibi_lse_correction(call, lse)
+        return AttnOutput(out, lse, state)
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: FlashState):
+        spec = call.spec
+        if state is None or spec.total_k == 0:
+            return cc.zero_grads(call)
+        width = padded_head_dim(spec)
+        q, k, v, cu_k = _prepare(call, width)
+        max_q, max_k = _max_seqlens(spec)
+        out_p = cc.kernel_ready(cc.pad_head_dim(out, width))
+        grad_p = cc.kernel_ready(cc.pad_head_dim(grad_out, width))
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_p, q, k, v, out_p, cc.lse_to_native(lse, state.lse_shape, _geometry_if_padded(call, state)),
+            call.cu_seqlens_q.contiguous(), cu_k, max_q, max_k, spec.dropout_p, spec.causal,
+            state.rng_state, state.unused, scale=spec.scale, **state.window_kwargs,
+        )
+        return dq[..., :spec.head_dim], dk[..., :spec.head_dim], dv[..., :spec.head_dim_v]
+
+
+def _geometry_if_padded(call: PackedCall, state: FlashState):
+    return None if len(state.lse_shape) == 2 else cc.query_geometry(call)
+
+
+def _availability() -> Optional[str]:
+    if (why := cc.cuda_unavailable_reason()) is not None:
+        return why
+    return _flash_build_reason()
+
+
+def _flash_build_reason() -> Optional[str]:
+    if not cc.op_arguments(FORWARD_OP) or not cc.op_arguments(BACKWARD_OP):
+        return f"this torch has no aten.{FORWARD_OP}/{BACKWARD_OP}"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "PyTorch built without flash attention (torch.backends.cuda.is_flash_attention_available() is False)"
+    return None

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 import jagged_sdpa  # noqa: E402
 from jagged_sdpa import Backend  # noqa: E402
 from jagged_sdpa.backends import IMPLS  # noqa: E402
+from jagged_sdpa.backends import triton as triton_backend  # noqa: E402
 from cases import cu_of, in_nan_buffer  # noqa: E402
 from reference import attention_reference  # noqa: E402
 from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
@@ -348,6 +349,12 @@ def test_reasons(monkeypatch):
     reasons = triton_impl.reasons(paged)
     assert "block_size 24 not a power of two >= 16" in reasons
     assert any(r.startswith("paged KV cache with a gradient needed") for r in reasons)
+    assert any(r.startswith("batch 70000 > 65535") for r in triton_impl.reasons(_spec(batch=70000)))
+    monkeypatch.setattr(triton_backend, "_kernels_interpreted", lambda: False)
+    assert triton_impl.reasons(_spec()) == (
+        "triton kernels were compiled (not interpreted) in this process - set TRITON_INTERPRET=1 before the "
+        "first triton call",)
+    monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET")
     assert triton_impl.reasons(_spec()) == (
         "cpu tensors need TRITON_INTERPRET=1 (set: unset) - set it before the first triton call",)

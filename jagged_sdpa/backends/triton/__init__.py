@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
+from jagged_sdpa.backends.triton.decode import MAX_GRID_Z, merge_splits, plan_splits, split_note
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -73,6 +74,8 @@ class TritonBackend(BackendImpl):
             elif interpreted is False:
                 yield ("triton kernels were compiled (not interpreted) in this process - set TRITON_INTERPRET=1 "
                        "before the first triton call")
+        if spec.batch > MAX_GRID_Z:
+            yield f"batch {spec.batch} > {MAX_GRID_Z} (cuda grid limit) - split the batch"
         if spec.paged and spec.block_size and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
             yield f"block_size {spec.block_size} not a power of two >= 16"
         if spec.paged and spec.needs_grad:
@@ -80,15 +83,11 @@ class TritonBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        from jagged_sdpa.backends.triton.decode import split_note
-
         note = split_note(spec)
         return () if note is None else (note,)
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
-        from jagged_sdpa.backends.triton.decode import merge_splits, plan_splits
-
         fwd, _ = _kernels()
         rng = fwd.dropout_seed(call.spec)
         splits = plan_splits(call.spec)

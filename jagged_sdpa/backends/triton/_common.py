@@ -9,9 +9,11 @@ forward and backward can never disagree about a mask or a dropout draw.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
-import torch
 
 # Stand-in for an unbounded window side: far beyond any sequence, far from int32 overflow.
 UNBOUNDED = 1 << 30
@@ -69,10 +71,15 @@ def _dropout_keep(seed, rng_offset, rows, head, offs_n, dropout_p):
     zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.uint32)
     c0 = zeros + offs_n[None, :].to(tl.uint32)
     c1 = zeros + rows[:, None].to(tl.uint32)
-    c2 = zeros + head.to(tl.uint32)
-    c3 = zeros + rng_offset.to(tl.uint32)
+    c2 = zeros + tl.to_tensor(head).to(tl.uint32)
+    c3 = zeros + tl.to_tensor(rng_offset).to(tl.uint32)
     r0, _r1, _r2, _r3 = tl.philox(seed, c0, c1, c2, c3)
     return tl.uint_to_uniform_float(r0) >= dropout_p
+
+
+def on_device(t: torch.Tensor):
+    """Launch on the tensor's GPU, not the current one (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def head_dim_pad(d: int) -> int:

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, sequence_order, window_bounds,
+    _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, on_device, sequence_order,
+    window_bounds,
 )
 from jagged_sdpa.spec import PackedCall
 
@@ -88,7 +89,7 @@ def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["DK", "DV"])
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "rng_offset"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder,                 # int32 metadata, float32 slopes
@@ -185,7 +186,7 @@ def _attn_bwd_dkdv(
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["DQ"])
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "rng_offset"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ,
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder,
@@ -294,16 +295,17 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
     scalars = (spec.scale, spec.softcap or 1.0, left, right, spec.dropout_p, rng[0], rng[1],
                length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k))
     max_k, max_q = max(spec.max_seqlen_k, 1), max(spec.max_seqlen_q, 1)
-    _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv, batch)](
-        q, k, v, grad_out, lse, delta, dk, dv,
-        call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
-        *dk.stride(), *dv.stride(), stride_ab, *scalars, **common,
-    )
-    _attn_bwd_dq[lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), spec.heads_q, batch)](
-        q, k, v, grad_out, lse, delta, dq,
-        call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
-        *dq.stride(), stride_ab, *scalars, **common,
-    )
+    with on_device(q):
+        _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv, batch)](
+            q, k, v, grad_out, lse, delta, dk, dv,
+            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
+            *dk.stride(), *dv.stride(), stride_ab, *scalars, **common,
+        )
+        _attn_bwd_dq[lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), spec.heads_q, batch)](
+            q, k, v, grad_out, lse, delta, dq,
+            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
+            *dq.stride(), stride_ab, *scalars, **common,
+        )
     return dq, dk, dv

@@ -16,6 +16,9 @@ import torch
 
 from jagged_sdpa.spec import AttnSpec
 
+# Grid axis 2 (sequences x splits) holds at most this many programs on CUDA.
+MAX_GRID_Z = 65535
+
 # A query block of the forward kernel covers up to this many queries on every config.
 DECODE_MAX_SEQLEN_Q = 16
 # Below this many keys per split, the merge costs more than the parallelism gains.
@@ -43,7 +46,8 @@ def plan_splits(spec: AttnSpec) -> int:
     programs = max(spec.batch * spec.heads_q, 1)
     by_occupancy = -(-_programs_wanted(spec) // programs)
     by_length = spec.max_seqlen_k // MIN_KEYS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    by_grid = MAX_GRID_Z // max(spec.batch, 1)
+    return max(1, min(by_occupancy, by_length, by_grid, MAX_SPLITS))
 
 
 def split_note(spec: AttnSpec) -> str | None:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket,
+    _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket, on_device,
     sequence_order, window_bounds,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
@@ -120,7 +120,7 @@ def _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.co
          "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "NUM_SPLITS"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "rng_offset"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
@@ -245,28 +245,27 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, rng: tuple[int, int] = 
     if num_splits > 1:
         split_size = triton.cdiv(triton.cdiv(max_k, num_splits), 128) * 128
     grid = lambda meta: (triton.cdiv(max(spec.max_seqlen_q, 1), meta["BLOCK_M"]), heads_q, batch * num_splits)
-    _attn_fwd[grid](
-        q, k, v, out, lse,
-        call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call),
-        *q.stride(),
-        *kv_strides(k, spec.paged),
-        *kv_strides(v, spec.paged),
-        *out.stride(),
-        *lse.stride(),
-        stride_btb, stride_ab,
-        spec.scale, spec.softcap or 1.0, left, right,
-        spec.dropout_p, rng[0], rng[1], split_size,
-        length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
-        GROUP=spec.heads_q // spec.heads_kv,
-        HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
-        HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
-        BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
-        HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
-        PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, NUM_SPLITS=num_splits,
-        IEEE=q.dtype == torch.float32,
-    )
+    with on_device(q):
+        _attn_fwd[grid](
+            q, k, v, out, lse,
+            call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call),
+            *q.stride(),
+            *kv_strides(k, spec.paged),
+            *kv_strides(v, spec.paged),
+            *out.stride(),
+            *lse.stride(),
+            stride_btb, stride_ab,
+            spec.scale, spec.softcap or 1.0, left, right,
+            spec.dropout_p, rng[0], rng[1], split_size,
+            length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
+            GROUP=spec.heads_q // spec.heads_kv,
+            HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
+            HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
+            BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
+            HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
+            PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, NUM_SPLITS=num_splits,
+            IEEE=q.dtype == torch.float32,
+        )
     if num_splits > 1:
         return AttnOutput(out, lse, rng)
     return AttnOutput(out[0], lse[0], rng)
-
-

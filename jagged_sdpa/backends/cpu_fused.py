@@ -1,21 +1,5 @@
-"""CPU_FUSED: the fast CPU path."""
+"""CPU_FUSED: the fast CPU path; the implementation lives in ``jagged_sdpa.backends.cpu``."""
 
-from __future__ import annotations
+from jagged_sdpa.backends.cpu import CpuFusedBackend
 
-import functools
-from typing import Optional
-
-import torch
-
-from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.checks.capability import Capabilities
-
-
-class CpuFusedBackend(BackendImpl):
-    backend = Backend.CPU_FUSED
-    caps = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float16, torch.bfloat16}))
-
-    @classmethod
-    @functools.cache
-    def is_available(cls) -> Optional[str]:
-        return "not implemented yet"
+__all__ = ["CpuFusedBackend"]

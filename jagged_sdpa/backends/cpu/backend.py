@@ -1,0 +1,177 @@
+"""CPU_FUSED: the fast CPU path, chosen automatically for CPU tensors; takes every option.
+
+Per call it picks one engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or blocked
+matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the fused
+kernel cannot take). Both walk each sequence in blocks of query rows that see only their visible
+keys. The backward is our own (``native_autograd = False``): the fused kernel's backward, or the
+blocked recomputation, per sequence; ``state`` carries the dropout RNG state and, for float64,
+the lse at full precision.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa.backends.base import Backend, BackendImpl
+from jagged_sdpa.backends.cpu import blocked, fused
+from jagged_sdpa.checks import Reason
+from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+
+class _State(NamedTuple):
+    rng: Optional[Tensor]        # default generator state before the forward (dropout only)
+    lse_full: Optional[Tensor]   # float64 lse for float64 calls (the float32 one is too coarse)
+
+
+class _Seq(NamedTuple):
+    index: int
+    q_start: int
+    len_q: int
+    k: Tensor
+    v: Tensor
+    key_rows: object             # slice into packed k/v, or a LongTensor of flat cache slots (paged)
+
+
+def uses_fused_kernel(spec: AttnSpec) -> bool:
+    """The fused kernel cannot take softcap, dropout or Dv != D; bf16 is faster as bf16 matmuls;
+    fp16 masks would round ALiBi biases, so fp16 with ALiBi goes to the blocked engine too."""
+    if spec.softcap or spec.dropout_p or spec.dtype == torch.bfloat16 or spec.head_dim_v != spec.head_dim:
+        return False
+    return not (spec.dtype == torch.float16 and spec.alibi)
+
+
+def _paged_slots(call: PackedCall, b: int, length: int) -> Tensor:
+    block_size = call.spec.block_size
+    ids = call.block_table[b, :-(-length // block_size)].long()
+    offsets = torch.arange(block_size, device=ids.device)
+    return (ids.unsqueeze(1) * block_size + offsets).flatten()[:length]
+
+
+def _sequences(call: PackedCall) -> Iterator[_Seq]:
+    q_ranges = call.query_ranges_host()
+    if call.spec.paged:
+        used = call.seqused_k_host if call.seqused_k_host is not None else tuple(call.seqused_k.tolist())
+        k_flat = call.k.flatten(0, 1)
+        v_flat = call.v.flatten(0, 1)
+        for b, ((q_start, len_q), length) in enumerate(zip(q_ranges, used)):
+            if len_q == 0:
+                continue
+            slots = _paged_slots(call, b, length)
+            yield _Seq(b, q_start, len_q, k_flat.index_select(0, slots), v_flat.index_select(0, slots), slots)
+        return
+    for b, ((q_start, len_q), (k_start, len_k)) in enumerate(zip(q_ranges, call.key_ranges_host())):
+        if len_q == 0:
+            continue
+        rows = slice(k_start, k_start + len_k)
+        yield _Seq(b, q_start, len_q, call.k[rows], call.v[rows], rows)
+
+
+def _slopes(call: PackedCall, b: int):
+    if call.alibi_slopes is None:
+        return None
+    return call.alibi_slopes if call.alibi_slopes.dim() == 1 else call.alibi_slopes[b]
+
+
+class CpuFusedBackend(BackendImpl):
+    backend = Backend.CPU_FUSED
+    caps = Capabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=ALL_FLOAT_DTYPES,
+        paged=True,
+        notes=(
+            "fp32/fp64/fp16: PyTorch's fused CPU flash kernel per block of query rows; bf16, softcap "
+            "and dropout: blocked matmuls",
+        ),
+    )
+    native_autograd = False
+
+    @classmethod
+    def extra_reasons(cls, spec: AttnSpec) -> Iterator[Reason]:
+        if not spec.lengths_known:
+            yield "sequence lengths not read on the host (the CPU path plans per sequence)"
+
+    @classmethod
+    def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
+        """Silent on the usual paths; says so when an option moves the call to the slower engine."""
+        if uses_fused_kernel(spec):
+            return ()
+        if spec.dtype == torch.bfloat16 and not (spec.softcap or spec.dropout_p or spec.head_dim_v != spec.head_dim):
+            return ()
+        why = " and ".join(n for n, on in (("softcap", spec.softcap), ("dropout", spec.dropout_p),
+                                           ("head_dim_v != head_dim", spec.head_dim_v != spec.head_dim),
+                                           ("float16 with alibi", spec.dtype == torch.float16 and spec.alibi)) if on)
+        note = f"cpu_fused: {why} run as blocked matmuls (the fused kernel cannot take them)"
+        if spec.dtype != torch.bfloat16:
+            note += "; expect about 1.5-2x the time of the same call without them"
+        return (note,)
+
+    @classmethod
+    def forward(cls, call: PackedCall) -> AttnOutput:
+        spec = call.spec
+        q = call.q
+        use_fused = uses_fused_kernel(spec)
+        out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
+        lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
+        lse_full = None
+        if spec.dtype == torch.float64 and spec.return_lse:
+            lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
+        rng = torch.get_rng_state() if spec.dropout_p and spec.needs_grad else None
+        filled = 0
+        for seq in _sequences(call):
+            rows = slice(seq.q_start, seq.q_start + seq.len_q)
+            filled += seq.len_q
+            if seq.k.shape[0] == 0:
+                out[rows] = 0
+                lse[:, rows] = float("-inf")
+                if lse_full is not None:
+                    lse_full[:, rows] = float("-inf")
+                continue
+            q_b, slopes = q[rows], _slopes(call, seq.index)
+            if use_fused:
+                fused.forward_sequence(spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
+                                       None if lse_full is None else lse_full[:, rows])
+            else:
+                target = lse[:, rows] if lse_full is None else lse_full[:, rows]
+                blocked.forward_sequence(spec, q_b, seq.k, seq.v, slopes, out[rows], target, spec.return_lse)
+                if lse_full is not None:
+                    lse[:, rows] = lse_full[:, rows]
+        return AttnOutput(out, lse if spec.return_lse else None, _State(rng, lse_full))
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
+        spec = call.spec
+        state = state if isinstance(state, _State) else _State(None, None)
+        if state.lse_full is not None:
+            lse = state.lse_full
+        generator = None
+        if state.rng is not None:
+            generator = torch.Generator(device="cpu")
+            generator.set_state(state.rng)
+        use_fused = uses_fused_kernel(spec)
+        dq = torch.zeros_like(call.q)
+        dk = torch.zeros_like(call.k)
+        dv = torch.zeros_like(call.v)
+        dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
+        for seq in _sequences(call):
+            rows = slice(seq.q_start, seq.q_start + seq.len_q)
+            if seq.k.shape[0] == 0:
+                continue
+            dk_b = torch.empty_like(seq.k)
+            dv_b = torch.empty_like(seq.v)
+            args = (spec, call.q[rows], seq.k, seq.v, out[rows], lse[:, rows], grad_out[rows],
+                    _slopes(call, seq.index), dq[rows], dk_b, dv_b)
+            if use_fused:
+                fused.backward_sequence(*args)
+            else:
+                blocked.backward_sequence(*args, generator)
+            if spec.paged:
+                dk_flat.index_add_(0, seq.key_rows, dk_b)
+                dv_flat.index_add_(0, seq.key_rows, dv_b)
+            else:
+                dk[seq.key_rows] += dk_b
+                dv[seq.key_rows] += dv_b
+        return dq, dk, dv

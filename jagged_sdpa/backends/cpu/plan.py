@@ -1,0 +1,123 @@
+"""Which keys each block of query rows can see, and the additive mask for that block.
+
+Both CPU engines walk a sequence in blocks of query rows and multiply each block only against the
+key range its rows can see, so causal and windowed calls skip the blocks that are fully masked.
+Every bound here follows the contract's aligned position i' (= i, or i + Lk - Lq bottom-right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa.spec import AttnSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Query rows [row_lo, row_hi) of one sequence and the key range [key_lo, key_hi) they see.
+
+    ``exact`` is True when every row sees exactly that whole range (no mask needed).
+    """
+
+    row_lo: int
+    row_hi: int
+    key_lo: int
+    key_hi: int
+    exact: bool
+
+    @property
+    def empty(self) -> bool:
+        return self.key_hi <= self.key_lo
+
+
+def _row_bounds(spec: AttnSpec, shift: int, len_k: int, i: int) -> tuple[int, int]:
+    """Visible keys [lo, hi) of query row i (hi <= lo: the row sees no key)."""
+    pos = i + shift
+    left, right = spec.window
+    lo = max(0, pos - left) if left >= 0 else 0
+    hi = len_k
+    if right >= 0:
+        hi = min(hi, pos + right + 1)
+    if spec.causal:
+        hi = min(hi, pos + 1)
+    return max(0, min(lo, len_k)), max(0, hi)
+
+
+def shift_of(spec: AttnSpec, len_q: int, len_k: int) -> int:
+    return len_k - len_q if spec.alignment == "bottom_right" else 0
+
+
+def blocks(spec: AttnSpec, len_q: int, len_k: int, block_rows: int) -> Iterator[Block]:
+    """Split a sequence's query rows into blocks with their visible key ranges.
+
+    Bounds grow monotonically with the row, so a block's range is [lo(first), hi(last)).
+    Unmasked calls use one block for the whole sequence (nothing to skip).
+    """
+    if len_q == 0:
+        return
+    masked = spec.causal or spec.has_window
+    step = block_rows if masked else len_q
+    shift = shift_of(spec, len_q, len_k)
+    for r0 in range(0, len_q, step):
+        r1 = min(len_q, r0 + step)
+        lo0, hi0 = _row_bounds(spec, shift, len_k, r0)
+        lo1, hi1 = _row_bounds(spec, shift, len_k, r1 - 1)
+        lo, hi = lo0, max(hi0, hi1)
+        exact = lo0 == lo1 and hi0 == hi1 and hi0 > lo0
+        yield Block(r0, r1, lo, hi, exact)
+
+
+def keep_mask(spec: AttnSpec, shift: int, block: Block, device) -> Tensor:
+    """Boolean (rows, keys) of the block: True where the row may attend the key."""
+    pos = torch.arange(block.row_lo + shift, block.row_hi + shift, device=device).unsqueeze(1)
+    j = torch.arange(block.key_lo, block.key_hi, device=device).unsqueeze(0)
+    left, right = spec.window
+    keep = torch.ones(pos.shape[0], j.shape[1], dtype=torch.bool, device=device)
+    if spec.causal:
+        keep &= j <= pos
+    if left >= 0:
+        keep &= j >= pos - left
+    if right >= 0:
+        keep &= j <= pos + right
+    return keep
+
+
+def alibi_bias(slopes: Tensor, shift: int, block: Block, dtype: torch.dtype) -> Tensor:
+    """-slope * |i' - j| for the block: (Hq, rows, keys) in ``dtype``."""
+    pos = torch.arange(block.row_lo + shift, block.row_hi + shift, device=slopes.device).unsqueeze(1)
+    j = torch.arange(block.key_lo, block.key_hi, device=slopes.device).unsqueeze(0)
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    dist = (pos - j).abs().to(exact)
+    return (-slopes.to(exact).reshape(-1, 1, 1) * dist).to(dtype)
+
+
+def empty_rows(spec: AttnSpec, shift: int, len_k: int, block: Block) -> Optional[list[int]]:
+    """Rows (relative to the block) that see no key at all, or None when there are none."""
+    rows = []
+    for r in range(block.row_lo, block.row_hi):
+        lo, hi = _row_bounds(spec, shift, len_k, r)
+        if hi <= lo:
+            rows.append(r - block.row_lo)
+    return rows or None
+
+
+def may_have_empty_rows(spec: AttnSpec, len_q: int, len_k: int) -> bool:
+    """Can any row of this sequence see no key? Checking the first and last row suffices.
+
+    A row sees nothing only when its aligned position lies before key 0 (causal or a bounded
+    right window) or past the last key (a bounded left window), and positions grow with the row.
+    """
+    if len_k == 0:
+        return True
+    if not (spec.causal or spec.has_window):
+        return False
+    shift = shift_of(spec, len_q, len_k)
+    for i in (0, len_q - 1):
+        lo, hi = _row_bounds(spec, shift, len_k, i)
+        if hi <= lo:
+            return True
+    return False

@@ -1,21 +1,33 @@
-"""TRITON backend against the float64 reference, forward and backward, under TRITON_INTERPRET=1.
+"""TRITON backend against the float64 reference, forward and backward.
 
-Triton reads TRITON_INTERPRET when its kernels are decorated, and the backend imports them on first
-use, so setting the variable here (before any TRITON call in the process) makes them interpreted.
-Shapes are tiny because the interpreter runs every program in Python; bf16 is wrong under the
-Triton 3.9 interpreter, so bf16 and real sizes are ``cuda`` tests.
+Without a GPU the tests run on CPU tensors under TRITON_INTERPRET=1. Triton reads that variable
+when its kernels are decorated, and the backend imports them on first use, so the fixture below sets
+it for this module's tests only (before their first TRITON call); other test modules keep seeing
+TRITON ineligible on the CPU. With a GPU the same tests run compiled on CUDA tensors. Shapes are
+tiny because the interpreter runs every program in Python; bf16 is wrong under the Triton 3.9
+interpreter, so bf16 and real sizes are ``cuda`` tests.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytest.importorskip("triton")
+# Triton's own library functions are decorated at import: interpreted only if the variable is set
+# then. It is removed again at once so that other modules still see TRITON ineligible on the CPU.
+_had_interpret = "TRITON_INTERPRET" in os.environ
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+if DEVICE == "cpu" and not _had_interpret:
+    del os.environ["TRITON_INTERPRET"]
+if DEVICE == "cpu" and type(triton.language.cdiv).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported (compiled) before this module could set TRITON_INTERPRET=1",
+                allow_module_level=True)
 
 import jagged_sdpa  # noqa: E402
 from jagged_sdpa import Backend  # noqa: E402
@@ -27,7 +39,11 @@ from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
 
 pytestmark = pytest.mark.interpret
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+@pytest.fixture(autouse=True)
+def _interpret_on_cpu(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _tensors(lens_q, lens_k, hq, hkv, d, dv, dtype, device=DEVICE):
@@ -39,11 +55,12 @@ def _tensors(lens_q, lens_k, hq, hkv, d, dv, dtype, device=DEVICE):
 
 def _reference(q, k, v, cu_q, cu_k, grad_out=None, **opts):
     """float64 out, lse and (when grad_out is given) gradients, by autograd through the reference."""
-    q64, k64, v64 = (x.detach().double().requires_grad_(grad_out is not None) for x in (q, k, v))
+    q64, k64, v64 = (x.detach().cpu().double().requires_grad_(grad_out is not None) for x in (q, k, v))
+    opts = {name: (x.cpu() if isinstance(x, torch.Tensor) else x) for name, x in opts.items()}
     out, lse = attention_reference(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), **opts)
     grads = None
     if grad_out is not None:
-        out.backward(grad_out.double())
+        out.backward(grad_out.detach().cpu().double())
         grads = (q64.grad, k64.grad, v64.grad)
     return out.detach(), lse.detach(), grads
 
@@ -88,6 +105,8 @@ VARLEN_CASES = {
                                        softcap=2.0, alibi="per_head"),
     "causal-gqa-f16": dict(lens_q=[17, 1, 0], lens_k=[17, 8, 3], hq=4, hkv=2, dtype=torch.float16, causal=True),
     "seqused-k": dict(lens_q=[3, 5, 2], lens_k=[9, 17, 4], seqused=[4, 17, 0], causal=True),
+    "D256-Dv16": dict(lens_q=[3, 9], lens_k=[9, 4], d=256, dv=16),
+    "D8-causal": dict(lens_q=[3, 9], lens_k=[9, 4], d=8, causal=True),
     "long-tail": dict(lens_q=[1, 1, 1, 1, 40], lens_k=[1, 1, 1, 1, 40], causal=True, backward=False),
 }
 
@@ -341,6 +360,8 @@ def _spec(**changes):
 
 def test_reasons(monkeypatch):
     triton_impl = IMPLS[Backend.TRITON]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_backend, "_interpreted_state", lambda: True)
     assert triton_impl.reasons(_spec()) == ()
     assert triton_impl.reasons(_spec(device_type="cuda", dtype=torch.bfloat16, head_dim=80, head_dim_v=96)) == ()
     assert any("dtype float64 not supported" in r for r in triton_impl.reasons(_spec(dtype=torch.float64)))
@@ -350,14 +371,13 @@ def test_reasons(monkeypatch):
     assert "block_size 24 not a power of two >= 16" in reasons
     assert any(r.startswith("paged KV cache with a gradient needed") for r in reasons)
     assert any(r.startswith("batch 70000 > 65535") for r in triton_impl.reasons(_spec(batch=70000)))
-    monkeypatch.setattr(triton_backend, "_kernels_interpreted", lambda: False)
+    monkeypatch.setattr(triton_backend, "_interpreted_state", lambda: False)
     assert triton_impl.reasons(_spec()) == (
-        "triton kernels were compiled (not interpreted) in this process - set TRITON_INTERPRET=1 before the "
-        "first triton call",)
-    monkeypatch.undo()
+        "triton was imported (compiled) before TRITON_INTERPRET=1 was set - set it before importing triton",)
+    monkeypatch.setattr(triton_backend, "_interpreted_state", lambda: None)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert triton_impl.reasons(_spec()) == (
-        "cpu tensors need TRITON_INTERPRET=1 (set: unset) - set it before the first triton call",)
+        "cpu tensors need TRITON_INTERPRET=1 (set: unset) - set it before importing triton",)
     assert triton_impl.reasons(_spec(device_type="cuda")) == ()
 
 

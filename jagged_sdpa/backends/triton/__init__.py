@@ -1,15 +1,17 @@
 """TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``, ``decode.py``).
 
-This module imports no kernel: Triton decides between compiled and interpreted kernels when
-``@triton.jit`` runs, so the kernel modules are imported on first use, after the caller had the
-chance to set ``TRITON_INTERPRET=1``. A process that ran a TRITON call before setting it keeps
-compiled kernels, and CPU calls then get a reason saying so.
+Triton decides between compiled and interpreted functions when ``@triton.jit`` runs: for its own
+library functions (``tl.cdiv``, ``tl.philox``) that is when ``triton`` is imported, for ours when
+the kernel modules are. So this module imports neither until a call needs them, never imports
+triton where doing so would fix compiled mode in a CPU-only process, and explains a CPU call that
+cannot run because ``TRITON_INTERPRET=1`` was set too late.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Iterator, Optional
@@ -31,10 +33,25 @@ def interpret_setting() -> Optional[str]:
     return os.environ.get("TRITON_INTERPRET")
 
 
-def _kernels_interpreted() -> Optional[bool]:
-    """Whether the already imported kernels are interpreted; None when not imported yet."""
-    module = sys.modules.get(_FWD_MODULE)
-    return None if module is None else module.INTERPRETED
+def _interpreted_state() -> Optional[bool]:
+    """Whether the Triton functions already decorated in this process are interpreted; None when
+    triton is not imported yet (the mode will be decided by the environment at import)."""
+    language = sys.modules.get("triton.language")
+    if language is None:
+        return None
+    interpreted = type(language.cdiv).__name__ == "InterpretedFunction"
+    kernels = sys.modules.get(_FWD_MODULE)
+    return interpreted and (kernels is None or kernels.INTERPRETED)
+
+
+@functools.cache
+def _import_reason() -> Optional[Reason]:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as error:  # any import failure (missing, broken install) is a reason
+        return f"triton is not importable: {type(error).__name__}: {error}".rstrip()
+    return None
 
 
 def _kernels():
@@ -54,26 +71,24 @@ class TritonBackend(BackendImpl):
     )
 
     @classmethod
-    @functools.cache
     def is_available(cls) -> Optional[Reason]:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-        except Exception as error:  # any import failure (missing, broken install) is a reason
-            return f"triton is not importable: {type(error).__name__}: {error}".rstrip()
-        return None
+        if "triton" not in sys.modules and interpret_setting() != "1" and not torch.cuda.is_available():
+            # Importing triton here would make this CPU-only process compiled for good: look only.
+            if importlib.util.find_spec("triton") is None:
+                return "triton is not importable: no module named 'triton'"
+            return None
+        return _import_reason()
 
     @classmethod
     def extra_reasons(cls, spec: AttnSpec) -> Iterator[Reason]:
-        interpreted = _kernels_interpreted()
         if spec.device_type == "cpu":
             setting = interpret_setting()
             if setting != "1":
                 shown = "unset" if setting is None else repr(setting)
-                yield f"cpu tensors need TRITON_INTERPRET=1 (set: {shown}) - set it before the first triton call"
-            elif interpreted is False:
-                yield ("triton kernels were compiled (not interpreted) in this process - set TRITON_INTERPRET=1 "
-                       "before the first triton call")
+                yield f"cpu tensors need TRITON_INTERPRET=1 (set: {shown}) - set it before importing triton"
+            elif _interpreted_state() is False:
+                yield ("triton was imported (compiled) before TRITON_INTERPRET=1 was set - set it before "
+                       "importing triton")
         if spec.batch > MAX_GRID_Z:
             yield f"batch {spec.batch} > {MAX_GRID_Z} (cuda grid limit) - split the batch"
         if spec.paged and spec.block_size and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):

@@ -204,9 +204,13 @@ def test_efficient_mask_arguments(changes, expected):
 
 @pytest.fixture
 def fresh_probes():
-    cc.cuda_unavailable_reason.cache_clear()
+    from jagged_sdpa.backends import flash_varlen
+
+    for probe in (cc.cuda_unavailable_reason, flash_varlen._flash_build_reason):
+        probe.cache_clear()
     yield
-    cc.cuda_unavailable_reason.cache_clear()
+    for probe in (cc.cuda_unavailable_reason, flash_varlen._flash_build_reason):
+        probe.cache_clear()
 
 
 @pytest.mark.usefixtures("fresh_probes")

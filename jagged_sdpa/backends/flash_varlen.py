@@ -12,6 +12,7 @@ rows that see no key (we report -inf, API.md); such rows' outputs are written as
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -211,6 +212,7 @@ def _availability() -> Optional[str]:
     return _flash_build_reason()
 
 
+@functools.cache
 def _flash_build_reason() -> Optional[str]:
     if not cc.op_arguments(FORWARD_OP) or not cc.op_arguments(BACKWARD_OP):
         return f"this torch has no aten.{FORWARD_OP}/{BACKWARD_OP}"

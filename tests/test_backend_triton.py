@@ -11,6 +11,8 @@ interpreter, so bf16 and real sizes are ``cuda`` tests.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -388,6 +390,26 @@ def test_split_rule_reads_only_the_spec():
     assert plan_splits(_spec(max_seqlen_q=64, max_seqlen_k=4096)) == 1
     assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=100)) == 1
     assert IMPLS[Backend.TRITON].plan_notes(_spec()) == ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# compiled mode without a GPU
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter cannot catch compiler-only errors: compile every-option variants for sm_90."""
+    from packaging.version import Version
+
+    if Version(triton.__version__) < Version("3.9"):
+        pytest.skip(f"triton {triton.__version__}: the ASTSource API compile_check uses is verified on 3.9+")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-m", "jagged_sdpa.backends.triton.compile_check", "--arch", "90",
+                          "--quick"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("OK ") == 3, run.stdout
 
 
 # ---------------------------------------------------------------------------------------------------

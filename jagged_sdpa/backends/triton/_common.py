@@ -71,8 +71,8 @@ def _dropout_keep(seed, rng_offset, rows, head, offs_n, dropout_p):
     zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.uint32)
     c0 = zeros + offs_n[None, :].to(tl.uint32)
     c1 = zeros + rows[:, None].to(tl.uint32)
-    c2 = zeros + tl.to_tensor(head).to(tl.uint32)
-    c3 = zeros + tl.to_tensor(rng_offset).to(tl.uint32)
+    c2 = zeros + head.to(tl.uint32)
+    c3 = zeros + rng_offset.to(tl.uint32)
     r0, _r1, _r2, _r3 = tl.philox(seed, c0, c1, c2, c3)
     return tl.uint_to_uniform_float(r0) >= dropout_p
 

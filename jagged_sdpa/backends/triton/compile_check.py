@@ -1,0 +1,134 @@
+"""Compile the TRITON kernels for a CUDA architecture without a GPU: ``python -m
+jagged_sdpa.backends.triton.compile_check [--arch 90] [--quick]``.
+
+The interpreter runs kernels as Python and cannot catch what only the compiler rejects (constexpr
+misuse, loop-carried type changes, tile shapes ``tl.dot`` refuses). Triton's front end and the
+bundled ptxas need no device, so this compiles each variant for the target and reports shared
+memory, registers and spills (from ``ptxas -v`` when a matching ptxas is found). Run it in a
+process without ``TRITON_INTERPRET=1``: the kernels must be decorated in compiled mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from jagged_sdpa.backends.triton import bwd, fwd
+
+DATA_POINTERS = {"Q", "K", "V", "DO", "DK", "DV", "DQ"}
+FLOAT32_POINTERS = {"Lse", "Delta", "Alibi"}
+FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
+
+ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True,
+              HAS_SEQUSED=True, IEEE=False)
+ALL_OFF = dict(GROUP=1, BOTTOM_RIGHT=False, HAS_BAND=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False,
+               HAS_SEQUSED=False, IEEE=False)
+
+
+def _dims(d: int, dv: int) -> dict:
+    return dict(HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), HEAD_DIM_V=dv,
+                HEAD_DIM_V_PAD=max(16, triton.next_power_of_2(dv)))
+
+
+def variants(quick: bool):
+    """(name, kernel, data dtype, out dtype, constexprs, num_warps, num_stages)."""
+    paged_split = dict(PAGED=True, PAGE_SIZE=16, NUM_SPLITS=4)
+    packed = dict(PAGED=False, PAGE_SIZE=16, NUM_SPLITS=1)
+    yield ("fwd every option, paged, split-k, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
+           {**ALL_ON, **_dims(128, 128), **paged_split, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
+    yield ("bwd dk/dv every option, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "bf16",
+           {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
+    yield ("bwd dq every option, bf16 D128", bwd._attn_bwd_dq, "bf16", "bf16",
+           {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
+    if quick:
+        return
+    yield ("fwd plain fp16 D64", fwd._attn_fwd, "fp16", "fp16",
+           {**ALL_OFF, **_dims(64, 64), **packed, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
+    yield ("fwd causal fp32 D40 Dv24", fwd._attn_fwd, "fp32", "fp32",
+           {**ALL_OFF, **_dims(40, 24), **packed, "BOTTOM_RIGHT": True, "HAS_BAND": True, "IEEE": True,
+            "BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)
+    yield ("fwd bf16 D256", fwd._attn_fwd, "bf16", "bf16",
+           {**ALL_OFF, **_dims(256, 256), **packed, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
+    for kernel, name in ((bwd._attn_bwd_dkdv, "dk/dv"), (bwd._attn_bwd_dq, "dq")):
+        yield (f"bwd {name} plain fp16 D96", kernel, "fp16", "fp16",
+               {**ALL_OFF, **_dims(96, 96), "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
+        yield (f"bwd {name} bf16 D256", kernel, "bf16", "bf16",
+               {**ALL_OFF, **_dims(256, 256), "BLOCK_M": 32, "BLOCK_N": 64}, 4, 1)
+
+
+def signature(kernel, data: str, out: str, constexprs: dict) -> dict:
+    sig = {}
+    for param in kernel.params:
+        name = param.name
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in DATA_POINTERS:
+            sig[name] = "*" + data
+        elif name == "Out":
+            sig[name] = "*" + out
+        elif name in FLOAT32_POINTERS:
+            sig[name] = "*fp32"
+        elif name[0].isupper():
+            sig[name] = "*i32"
+        elif name in FLOAT_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _ptxas_report(ptx: str) -> str:
+    arch = re.search(r"\.target (\S+)", ptx)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for tool in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(bin_dir, tool)
+        if not (arch and os.path.exists(path)):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            run = subprocess.run([path, "-v", f"--gpu-name={arch.group(1)}", src, "-o", os.path.join(tmp, "k.o")],
+                                 capture_output=True, text=True)
+        if run.returncode == 0:
+            lines = [line.split("info    :")[-1].strip() for line in run.stderr.splitlines()
+                     if "registers" in line or "spill" in line]
+            return "; ".join(lines)
+    return "ptxas report unavailable"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 or 90")
+    parser.add_argument("--quick", action="store_true", help="only the every-option variants")
+    parser.add_argument("--ptxas", action="store_true", help="also report registers and spills")
+    args = parser.parse_args(argv)
+    if fwd.INTERPRETED:
+        print("TRITON_INTERPRET=1 is set: the kernels were decorated for the interpreter", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", args.arch, 32)
+    failures = 0
+    for name, kernel, data, out, constexprs, warps, stages in variants(args.quick):
+        jit_fn = kernel.fn  # the autotuner wraps the JITFunction
+        source = ASTSource(jit_fn, signature(jit_fn, data, out, constexprs), constexprs=constexprs)
+        try:
+            compiled = triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})
+        except Exception as error:  # report every failing variant, not only the first
+            failures += 1
+            print(f"FAIL {name}: {type(error).__name__}: {error}")
+            continue
+        extra = f" {_ptxas_report(compiled.asm['ptx'])}" if args.ptxas else ""
+        print(f"OK   {name}: shared {compiled.metadata.shared} B{extra}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -447,7 +447,9 @@ EFFICIENT_CASES = {
     "window-top-left": dict(lengths_q=[6, 8], lengths_k=[9, 3], heads_q=2, heads_kv=2, dim=16,
                             window_size=(2, 0), alignment="top_left"),
     "window-bottom-right": dict(lengths_q=[6, 8], lengths_k=[9, 3], heads_q=2, heads_kv=2, dim=16,
-                                window_size=(1, 0), causal=True),
+                                window_size=(1, 0), causal=True, requires_grad=False),
+    "window-equal-lengths": dict(lengths_q=[6, 8], lengths_k=[6, 8], heads_q=2, heads_kv=2, dim=16,
+                                 window_size=(3, 0), causal=True),
     "pad-59-111-fp32": dict(lengths_q=[4, 6], lengths_k=[5, 6], heads_q=2, heads_kv=2, dim=59, dim_v=111,
                             dtype=torch.float32),
     "full-nan-buffers": dict(lengths_q=[3, 4], lengths_k=[5, 4], heads_q=2, heads_kv=2, dim=16, nan_buffers=True),
@@ -516,6 +518,10 @@ def _cuda_case(backend, dtype, name, grad):
     v = torch.randn(sum(lengths_k), heads_kv, dim_v, device=dev, dtype=dtype, requires_grad=grad)
     cu_q, cu_k = cu_of(lengths_q).to(dev), cu_of(lengths_k).to(dev)
     window = options.get("window_size", (-1, -1))
+    explanation = jagged_sdpa.explain(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), backend=backend,
+                                      return_lse=True, **options)
+    if explanation.chosen is None:
+        pytest.skip("; ".join(explanation.reasons[Backend(backend)]))
     out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                             return_lse=True, backend=backend, **options)
     ref_out, ref_lse = attention_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), causal=options.get("causal", False),
@@ -539,8 +545,6 @@ def _cuda_case(backend, dtype, name, grad):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("backend", [Backend.FLASH_VARLEN, Backend.EFFICIENT], ids=str)
 def test_cuda_backend_matches_reference(backend, dtype, name, grad):
-    if backend == Backend.EFFICIENT and name == "window-sym":
-        pytest.skip("efficient has only causal windows (ineligible, see test_capability)")
     _cuda_case(backend, dtype, name, grad)
 
 

@@ -156,6 +156,8 @@ def test_gqa_decode_needs_the_window_argument_only_when_lse_matters(monkeypatch)
     {"seqused_k": True},
     {"kv_dense": True, "entry": "sdpa", "alignment": "top_left"},
     {"has_empty_q": True, "has_empty_k": True},
+    {"window": (8, 0), "needs_grad": True, "equal_lengths": True},
+    {"window": (8, 0), "needs_grad": True, "alignment": "top_left", "entry": "sdpa"},
 ])
 def test_efficient_takes(changes):
     assert efficient(**changes) == ()
@@ -171,6 +173,7 @@ def test_efficient_takes(changes):
     ({"causal": False, "window": (4, 4)}, "window_size (4, 4) without causal"),
     ({"causal": False, "window": (4, -1)}, "only causal sliding windows"),
     ({"seqused_k": True, "needs_grad": True}, "takes no seqlen_k"),
+    ({"window": (8, 0), "needs_grad": True}, "window_size with bottom_right alignment and a gradient needed"),
 ])
 def test_efficient_refuses(changes, fragment):
     reasons = efficient(**changes)
@@ -190,6 +193,8 @@ def test_efficient_reasons_for_arguments_this_torch_lacks(monkeypatch):
     ({}, (2, None)),
     ({"alignment": "top_left"}, (1, None)),
     ({"window": (7, 0)}, (2, 8)),
+    ({"window": (7, 0), "equal_lengths": True}, (1, 8)),
+    ({"equal_lengths": True}, (1, None)),
     ({"causal": False, "alignment": "top_left", "window": (0, 0)}, (1, 1)),
     ({"causal": False, "window": (-1, 0)}, (2, None)),
 ])

@@ -49,10 +49,15 @@ def causal_like(spec: AttnSpec) -> bool:
 
 
 def mask_arguments(spec: AttnSpec) -> tuple[int, Optional[int]]:
-    """(custom_mask_type, window_size or None) for ``spec``; only valid when it is eligible."""
+    """(custom_mask_type, window_size or None) for ``spec``; only valid when it is eligible.
+
+    With Lq == Lk everywhere both alignments coincide; top-left is then used, being the mask
+    whose windowed backward xformers (the kernel's upstream) supports.
+    """
     if not causal_like(spec):
         return MASK_NONE, None
-    mask = MASK_CAUSAL_TOP_LEFT if spec.alignment == "top_left" else MASK_CAUSAL_BOTTOM_RIGHT
+    top_left = spec.alignment == "top_left" or spec.equal_lengths
+    mask = MASK_CAUSAL_TOP_LEFT if top_left else MASK_CAUSAL_BOTTOM_RIGHT
     left = spec.window[0]
     return mask, (left + 1 if left >= 0 else None)
 
@@ -69,7 +74,15 @@ def _prepare(call: PackedCall) -> tuple[Tensor, Tensor, Tensor]:
     q = cc.kernel_ready(cc.pad_head_dim(call.q, d))
     k = cc.kernel_ready(cc.expand_kv_heads(cc.pad_head_dim(call.k, d), spec.gqa_group))
     v = cc.kernel_ready(cc.expand_kv_heads(cc.pad_head_dim(call.v, dv), spec.gqa_group))
-    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    return tuple(_no_zero_head_stride(t).unsqueeze(0) for t in (q, k, v))
+
+
+def _no_zero_head_stride(t: Tensor) -> Tensor:
+    """A single head with stride 0 (an expanded view) would switch on the kernel's MQA decode path,
+    which drops the causal mask for one-query sequences (wrong for top-left); re-view it."""
+    if t.shape[1] == 1 and t.stride(1) == 0:
+        return t.squeeze(1).unsqueeze(1)
+    return t
 
 
 class EfficientBackend(BackendImpl):
@@ -106,7 +119,12 @@ class EfficientBackend(BackendImpl):
                    "sliding windows; use is_causal or right=0")
         if spec.seqused_k and spec.needs_grad:
             yield "seqused_k with a gradient needed - aten._efficient_attention_backward takes no seqlen_k"
-        _, window = mask_arguments(spec)
+        mask, window = mask_arguments(spec)
+        if window is not None and mask == MASK_CAUSAL_BOTTOM_RIGHT and spec.needs_grad:
+            # xformers' cutlass.py keeps bottom-right local masks out of this backward ("still
+            # some infs/nans in the BW pass for local + causal").
+            yield ("window_size with bottom_right alignment and a gradient needed - the efficient backward "
+                   "is unreliable there; use equal lengths or top_left")
         needed = (
             (window is not None, FORWARD_OP, "window_size", "window_size"),
             (window is not None and spec.needs_grad, BACKWARD_OP, "window_size", "window_size backward"),

@@ -191,7 +191,7 @@ class FakeFlash:
         if is_causal:
             right = 0
         window = (left, right)
-        causal = is_causal and window == (-1, 0)
+        causal = window == (-1, 0)  # set_params_fprop: is_causal = left < 0 && right == 0
         if causal:
             window = (-1, -1)
         out, lse = attention_reference(q, k, v, cu_q, cu_k, scale=scale, causal=causal, alignment="bottom_right",
@@ -221,7 +221,7 @@ class FakeFlash:
         left = -1 if window_size_left is None or window_size_left >= max_k else window_size_left
         right = -1 if window_size_right is None or window_size_right >= max_k else window_size_right
         window = (left, 0 if is_causal else right)
-        causal = is_causal and window == (-1, 0)
+        causal = window == (-1, 0)
         return _reference_grads(grad_out, q, k, v, cu_q, cu_k, scale=scale, causal=causal,
                                 alignment="bottom_right", window=(-1, -1) if causal else window)
 
@@ -403,6 +403,14 @@ def test_flash_alibi_lse_is_ours(fake_flash, causal, per_batch):
     call = varlen_call([4, 0, 6], [6, 2, 3], 4, 2, 16, causal=causal, alibi_slopes=slopes, requires_grad=False)
     check_against_reference(FlashVarlenBackend, call)
     assert fake_flash.calls[0]["alibi"]
+
+
+@pytest.mark.usefixtures("available")
+@pytest.mark.parametrize("causal, window", [(False, (-1, 0)), (False, (50, 0)), (True, (50, 3)), (True, (2, 0))])
+def test_flash_alibi_lse_when_a_window_is_causal_in_disguise(fake_flash, causal, window):
+    call = varlen_call([4, 6], [6, 9], 2, 2, 16, causal=causal, window_size=window, alibi_slopes=torch.rand(2),
+                       requires_grad=False)
+    check_against_reference(FlashVarlenBackend, call)
 
 
 @pytest.mark.usefixtures("available")

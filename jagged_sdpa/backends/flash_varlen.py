@@ -72,9 +72,19 @@ def _window_kwargs(spec: AttnSpec, max_k: int) -> dict:
     return {}
 
 
+def runs_causal_kernel(spec: AttnSpec, window_kwargs: dict, max_k: int) -> bool:
+    """Whether mha_varlen_fwd picks its causal kernel: windows >= max_seqlen_k become -1, causal
+    sets the right window to 0, and "causal" is left < 0 with right == 0."""
+    left = window_kwargs.get("window_size_left", -1)
+    right = 0 if spec.causal else window_kwargs.get("window_size_right", -1)
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    return left < 0 and right == 0
+
+
 def _alibi_lse_correction(call: PackedCall, lse: Tensor) -> Tensor:
-    """Causal ALiBi without a window adds slope * j (not -slope * |i' - j|): the softmax is the same
-    (the difference is constant per row) but the lse is slope * i' too large; remove it."""
+    """flash-attn's alibi.h: the causal kernel adds slope * j (not -slope * |i' - j|). The softmax
+    is the same (the difference is constant per row) but the lse is slope * i' too large."""
     geom = cc.query_geometry(call)
     i_aligned = cc.aligned_query_position(geom, "bottom_right").to(torch.float32)
     return lse - cc.slopes_per_row(call.alibi_slopes, geom) * i_aligned.unsqueeze(0)
@@ -180,7 +190,7 @@ class FlashVarlenBackend(BackendImpl):
         # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
         lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
         lse = lse.masked_fill(lse == math.inf, -math.inf)
-        if call.alibi_slopes is not None and spec.causal and not spec.has_window:
+        if call.alibi_slopes is not None and runs_causal_kernel(spec, window_kwargs, max_k):
             lse = _alibi_lse_correction(call, lse)
         return AttnOutput(out, lse, state)
 

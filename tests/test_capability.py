@@ -256,3 +256,14 @@ def test_selection_prefers_flash_then_efficient():
     alibi_grad = select(cuda_spec(alibi="per_head", needs_grad=True))
     assert alibi_grad.chosen not in (Backend.FLASH_VARLEN, Backend.EFFICIENT)
     assert has(alibi_grad.reasons[Backend.EFFICIENT], "alibi_slopes not supported")
+
+
+def test_plan_notes_say_what_the_backend_will_do():
+    assert FlashVarlenBackend.plan_notes(cuda_spec()) == ()
+    notes = FlashVarlenBackend.plan_notes(cuda_spec(head_dim=59, head_dim_v=40, alignment="top_left",
+                                                    equal_lengths=True))
+    assert notes == ("flash: q/k/v head dims zero-padded to 64", "flash: top-left run as bottom-right (every Lq == Lk)")
+    notes = EfficientBackend.plan_notes(cuda_spec(head_dim=59, heads_q=16, heads_kv=4, window=(7, 0)))
+    assert notes == ("efficient: head dims zero-padded to 64/64", "efficient: K/V expanded from 4 to 16 heads (a copy)",
+                     "efficient: causal bottom-right mask, window_size 8")
+    assert select(cuda_spec(head_dim=60, head_dim_v=60)).notes == ("flash: q/k/v head dims zero-padded to 64",)

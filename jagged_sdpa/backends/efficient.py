@@ -135,6 +135,20 @@ class EfficientBackend(BackendImpl):
                 yield why
 
     @classmethod
+    def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
+        notes = []
+        d, dv = _pad_widths(spec)
+        if (d, dv) != (spec.head_dim, spec.head_dim_v):
+            notes.append(f"efficient: head dims zero-padded to {d}/{dv}")
+        if spec.gqa_group > 1:
+            notes.append(f"efficient: K/V expanded from {spec.heads_kv} to {spec.heads_q} heads (a copy)")
+        mask, window = mask_arguments(spec)
+        if mask != MASK_NONE:
+            kind = "top-left" if mask == MASK_CAUSAL_TOP_LEFT else "bottom-right"
+            notes.append(f"efficient: causal {kind} mask" + (f", window_size {window}" if window else ""))
+        return tuple(notes)
+
+    @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         spec = call.spec
         max_q, max_k = cc.clamp_max_seqlens(spec)

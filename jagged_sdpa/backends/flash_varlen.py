@@ -163,6 +163,16 @@ class FlashVarlenBackend(BackendImpl):
                 yield why
 
     @classmethod
+    def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
+        notes = []
+        width = padded_head_dim(spec)
+        if width != spec.head_dim or width != spec.head_dim_v:
+            notes.append(f"flash: q/k/v head dims zero-padded to {width}")
+        if spec.alignment == "top_left" and (spec.causal or spec.has_window or spec.alibi):
+            notes.append("flash: top-left run as bottom-right (every Lq == Lk)")
+        return tuple(notes)
+
+    @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         spec = call.spec
         if spec.total_q == 0:  # a zero-size grid is a CUDA launch error, not an empty result

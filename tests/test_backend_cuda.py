@@ -635,3 +635,41 @@ def test_cuda_no_host_sync_when_max_lengths_are_given(backend):
         out.backward(torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sdpa entry: NJT self-attention and dense K/V reach the same backends
+
+
+def sdpa_call(query, key, value, **options):
+    call, _, _ = api._prepare_sdpa(query, key, value, None, 0.0, options.pop("is_causal", False), None,
+                                   options.pop("enable_gqa", False), options.pop("causal_alignment", "top_left"),
+                                   None, None, None, None)
+    assert not options
+    return call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
+
+
+@pytest.mark.usefixtures("available")
+def test_sdpa_self_attention_top_left_goes_to_flash(fake_flash):
+    values = torch.randn(11, 4, 32, dtype=torch.float16)
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 3, 11])).transpose(1, 2)
+    call = sdpa_call(nested, nested, nested, is_causal=True)
+    assert call.spec.equal_lengths and FlashVarlenBackend.reasons(call.spec) == ()
+    result = run(FlashVarlenBackend, call)
+    ref, _ = attention_reference(values, values, values, [0, 3, 11], [0, 3, 11], causal=True, alignment="top_left")
+    assert_close_packed(result.out, ref, cu_seqlens=[0, 3, 11])
+
+
+@pytest.mark.usefixtures("available")
+def test_sdpa_dense_kv_top_left_goes_to_efficient(fake_efficient):
+    values = torch.randn(8, 4, 32, dtype=torch.float16)
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 3, 8])).transpose(1, 2)
+    key, value = torch.randn(2, 2, 6, 32, dtype=torch.float16), torch.randn(2, 2, 6, 24, dtype=torch.float16)
+    call = sdpa_call(nested, key, value, is_causal=True, enable_gqa=True)
+    assert call.spec.kv_dense and not call.spec.equal_lengths
+    assert any("top_left" in r for r in FlashVarlenBackend.reasons(call.spec))
+    result = run(EfficientBackend, call)
+    k = key.transpose(1, 2).reshape(12, 2, 32)
+    v = value.transpose(1, 2).reshape(12, 2, 24)
+    ref, _ = attention_reference(values, k, v, [0, 3, 8], [0, 6, 12], causal=True, alignment="top_left")
+    assert_close_packed(result.out, ref, cu_seqlens=[0, 3, 8])

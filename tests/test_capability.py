@@ -136,6 +136,7 @@ def test_gqa_decode_needs_the_window_argument_only_when_lse_matters(monkeypatch)
     assert flash(**decode) == ()
     assert has(flash(**decode, return_lse=True), "window_size")
     assert has(flash(**{**decode, "total_q": 2}), "window_size")   # a sequence without a query
+    assert has(flash(**decode, needs_grad=True), "aten._flash_attention_backward(window_size_left=...)")
 
 
 # ---------------------------------------------------------------------------------------------

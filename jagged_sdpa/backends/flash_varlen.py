@@ -151,9 +151,11 @@ class FlashVarlenBackend(BackendImpl):
                 yield f"dropout_p {spec.dropout_p:g} with a paged kv cache - flash's split-kv kernel has no dropout"
         if (why := _training_head_dim_reason(spec)) is not None:
             yield why
+        # Training forces the lse on (``_autograd``), which can make the forward pass a window.
+        windowed = bool(_window_kwargs(spec.replace(return_lse=spec.return_lse or spec.needs_grad), 1))
         needed = (
-            (bool(_window_kwargs(spec, 1)), FORWARD_OP, "window_size_left", "window_size"),
-            (spec.has_window and spec.needs_grad, BACKWARD_OP, "window_size_left", "window_size backward"),
+            (windowed, FORWARD_OP, "window_size_left", "window_size"),
+            (windowed and spec.needs_grad, BACKWARD_OP, "window_size_left", "window_size backward"),
             (spec.seqused_k, FORWARD_OP, "seqused_k", "seqused_k"),
             (spec.alibi is not None, FORWARD_OP, "alibi_slopes", "alibi_slopes"),
             (spec.paged, FORWARD_OP, "block_table", "paged kv cache"),

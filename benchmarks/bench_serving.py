@@ -194,6 +194,9 @@ def reference_step(plan: StepPlan, layer_inputs, keys_of, layer: int) -> torch.T
     return out
 
 
+ABS_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # tests/tolerances.py
+
+
 def percentile(values, p):
     if not values:
         return float("nan")
@@ -314,9 +317,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        workload = Workload(requests=args.requests or 20, arrivals_per_step=0.5, prompt_median=128,
-                            prompt_max=1024, output_max=64)
-        args.token_budget = args.token_budget or 256
+        workload = Workload(requests=args.requests or 24, arrivals_per_step=1.0, prompt_median=96,
+                            prompt_max=512, output_min=8, output_max=32)
+        args.token_budget = args.token_budget or 192
         args.check_every = args.check_every or 15
     else:
         workload = Workload(requests=args.requests or 64, arrivals_per_step=0.4, prompt_median=192,
@@ -332,6 +335,9 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
 
     load = os.getloadavg()
+    if load[0] > (os.cpu_count() or 1):
+        print(f"# note: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes compete for the cores "
+              f"and multi-threaded timings suffer most; --threads 1 is steadier")
     print(f"# bench_serving: {steps} steps, {workload.requests} requests, token budget {args.token_budget}, "
           f"max running {args.max_running}, block size {args.block_size}")
     print(f"# shape: {shape.layers} layers, Hq={shape.heads_q} Hkv={shape.heads_kv} D={shape.head_dim} "
@@ -342,13 +348,17 @@ def main(argv=None) -> int:
     print(format_table("All steps (mixed prefill + decode):", {k: v for k, v in all_steps.items() if v.seconds}))
     print()
     print(format_table("Decode-only steps (the ones torch NJT SDPA can take):", decode_steps))
-    jagged_rate, padded_rate = all_steps[PagedAttentionStack.name].row()[1], all_steps["padded"].row()[1]
-    worst = max(t.max_ref_err for t in all_steps.values() if t.seconds)
+    jagged, padded = all_steps[PagedAttentionStack.name], all_steps["padded"]
+    # Equal results: jagged is as close to float64 as the padded loop (within 2x, the tests' rule),
+    # or within the tests' absolute floor for the dtype.
+    allowed = max(2 * padded.max_ref_err, ABS_FLOOR[shape.dtype])
+    equal = jagged.max_ref_err <= allowed
     print()
-    print(f"jagged / padded tokens/s: {jagged_rate / padded_rate:.2f}x (target >= 2x); "
-          f"jagged max err vs float64 {all_steps[PagedAttentionStack.name].max_ref_err:.1e}, "
-          f"worst of all {worst:.1e}")
-    return 0
+    print(f"jagged / padded tokens/s: {jagged.row()[1] / padded.row()[1]:.2f}x (target >= 2x); "
+          f"jagged / padded split: {jagged.row()[1] / all_steps['padded split'].row()[1]:.2f}x")
+    print(f"equal results: {'yes' if equal else 'NO'} (jagged max err vs float64 {jagged.max_ref_err:.1e}, "
+          f"padded {padded.max_ref_err:.1e}, allowed {allowed:.1e})")
+    return 0 if equal else 1
 
 
 if __name__ == "__main__":

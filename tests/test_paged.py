@@ -442,6 +442,20 @@ def test_append_with_no_tokens_and_no_sequences():
     assert jagged_sdpa.paged_append(**empty).shape == (0,)
 
 
+def test_append_into_caches_that_are_views_of_a_larger_buffer():
+    """k/v caches sliced out of one (num_blocks, block_size, 2, Hkv, D) buffer: writes land in the views."""
+    a = _append_case(used=(5, 0, 8), new=(3, 4, 1))
+    big = torch.full(a["k_cache"].shape[:2] + (3,) + a["k_cache"].shape[2:], NAN)
+    a["k_cache"] = big[:, :, 0]
+    a["v_cache"] = big[:, :, 1, :, :6]
+    spare_before = _bits(big[:, :, 2])
+    want_k, want_v = _manual_append(a)
+    jagged_sdpa.paged_append(**a)
+    assert torch.equal(_bits(big[:, :, 0]), _bits(want_k))
+    assert torch.equal(_bits(big[:, :, 1, :, :6]), _bits(want_v))
+    assert torch.equal(_bits(big[:, :, 2]), spare_before)
+
+
 def test_append_to_blocks_past_a_shared_prefix():
     """Two rows sharing their first block may each append into their own later blocks."""
     a = _append_case(used=(4, 4), new=(2, 3), block_size=4, width=2)

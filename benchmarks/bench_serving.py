@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ from serving import (  # noqa: E402  (examples/serving.py: the simulated server)
 class StepIndex:
     """Where each packed new token sits: its request (row of the step) and position in its chunk."""
 
-    def __init__(self, plan: StepPlan, device=None):
+    def __init__(self, plan: StepPlan):
         n = torch.tensor(plan.new_tokens)
         self.batch = len(plan.requests)
         self.row = torch.repeat_interleave(torch.arange(self.batch), n)
@@ -73,6 +74,19 @@ class StepIndex:
         self.slot = torch.tensor([r.slot for r in plan.requests])
         self.len_q = n
         self.len_k = self.cached + n
+
+
+class PaddedGroup(NamedTuple):
+    """Requests of a step padded together: their packed tokens, each token's row and position in the
+    padded batch, their cache slots, the padded sizes and the (rows, 1, max_q, max_k) keep-mask."""
+
+    tokens: torch.Tensor
+    row: torch.Tensor
+    pos_q: torch.Tensor
+    slots: torch.Tensor
+    max_q: int
+    max_k: int
+    keep: torch.Tensor
 
 
 class PaddedCacheStack:
@@ -92,25 +106,29 @@ class PaddedCacheStack:
         v_cache[slot, :, ix.pos_k] = v_new
 
     @staticmethod
-    def attend(q, k_cache, v_cache, ix: StepIndex, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded SDPA over the step rows ``rows``; returns (token ids, their outputs)."""
+    def group_layout(ix: StepIndex, rows: torch.Tensor) -> PaddedGroup:
+        """The padding plan of the step rows ``rows``, made once per step (not per layer)."""
         tokens = torch.isin(ix.row, rows).nonzero().squeeze(1)
         where = torch.full((ix.batch,), -1, dtype=torch.long)
         where[rows] = torch.arange(rows.numel())
         b = where[ix.row[tokens]]
         len_q, len_k = ix.len_q[rows], ix.len_k[rows]
         max_q, max_k = int(len_q.max()), int(len_k.max())
-        q_pad = q.new_zeros(rows.numel(), max_q, q.shape[1], q.shape[2])
-        q_pad[b, ix.pos_q[tokens]] = q[tokens]
-        slots = ix.slot[rows]
-        k = k_cache[slots, :, :max_k]
-        v = v_cache[slots, :, :max_k]
         i = torch.arange(max_q).view(1, -1, 1)
         j = torch.arange(max_k).view(1, 1, -1)
         # Bottom-right causal and key padding; padded query rows see every real key (no NaN).
         keep = (j <= i + (len_k - len_q).view(-1, 1, 1)) & (j < len_k.view(-1, 1, 1))
-        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=keep.unsqueeze(1), enable_gqa=True)
-        return tokens, out.transpose(1, 2)[b, ix.pos_q[tokens]]
+        return PaddedGroup(tokens, b, ix.pos_q[tokens], ix.slot[rows], max_q, max_k, keep.unsqueeze(1))
+
+    @staticmethod
+    def attend(q, k_cache, v_cache, g: PaddedGroup) -> torch.Tensor:
+        """Padded dense SDPA for one group of the step; returns the outputs of its packed tokens."""
+        q_pad = q.new_zeros(g.slots.numel(), g.max_q, q.shape[1], q.shape[2])
+        q_pad[g.row, g.pos_q] = q[g.tokens]
+        k = k_cache[g.slots, :, :g.max_k]
+        v = v_cache[g.slots, :, :g.max_k]
+        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=g.keep, enable_gqa=True)
+        return out.transpose(1, 2)[g.row, g.pos_q]
 
     def step(self, plan: StepPlan, layer_inputs) -> list[torch.Tensor]:
         ix = StepIndex(plan)
@@ -119,13 +137,13 @@ class PaddedCacheStack:
             groups = [g for g in (decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)) if g.numel()]
         else:
             groups = [torch.arange(ix.batch)]
+        layouts = [self.group_layout(ix, rows) for rows in groups]
         outs = []
         for (q, k_new, v_new), k_cache, v_cache in zip(layer_inputs, self.k_caches, self.v_caches):
             self.append(k_cache, v_cache, ix, k_new, v_new)
             out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-            for rows in groups:
-                tokens, part = self.attend(q, k_cache, v_cache, ix, rows)
-                out[tokens] = part
+            for group in layouts:
+                out[group.tokens] = self.attend(q, k_cache, v_cache, group)
             outs.append(out)
         return outs
 

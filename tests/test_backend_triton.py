@@ -109,6 +109,7 @@ VARLEN_CASES = {
     "seqused-k": dict(lens_q=[3, 5, 2], lens_k=[9, 17, 4], seqused=[4, 17, 0], causal=True),
     "D256-Dv16": dict(lens_q=[3, 9], lens_k=[9, 4], d=256, dv=16),
     "D8-causal": dict(lens_q=[3, 9], lens_k=[9, 4], d=8, causal=True),
+    "wide-window-interior-blocks-alibi": dict(lens_q=[40, 3], lens_k=[40, 35], window=(33, 17), alibi="per_head"),
     "long-tail": dict(lens_q=[1, 1, 1, 1, 40], lens_k=[1, 1, 1, 1, 40], causal=True, backward=False),
 }
 

@@ -47,8 +47,10 @@ def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PA
 
 @triton.jit
 def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left, window_right,
-            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr):
-    """Transformed, masked scores (natural units) and, for softcap's backward, tanh(s / c)."""
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr):
+    """Transformed, masked scores (natural units) and, for softcap's backward, tanh(s / c).
+
+    MASKED=False skips the mask for key blocks every row of the tile sees (interior blocks)."""
     s = qk * sm_scale
     tanh_s = s
     if HAS_SOFTCAP:
@@ -57,11 +59,12 @@ def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, windo
     if HAS_ALIBI:
         dist = (pos_q[:, None] - offs_n[None, :]).to(tl.float32)
         s = s - slope * tl.abs(dist)
-    keep = row_valid[:, None] & (offs_n[None, :] < len_k)
-    if HAS_BAND:
-        keep = keep & (offs_n[None, :] <= pos_q[:, None] + window_right)
-        keep = keep & (offs_n[None, :] >= pos_q[:, None] - window_left)
-    s = tl.where(keep, s, float("-inf"))
+    if MASKED:
+        keep = row_valid[:, None] & (offs_n[None, :] < len_k)
+        if HAS_BAND:
+            keep = keep & (offs_n[None, :] <= pos_q[:, None] + window_right)
+            keep = keep & (offs_n[None, :] >= pos_q[:, None] - window_left)
+        s = tl.where(keep, s, float("-inf"))
     return s, tanh_s
 
 

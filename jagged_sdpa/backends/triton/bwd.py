@@ -73,7 +73,7 @@ def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, so
     """P = exp(S - lse) (0 where masked, and for rows whose lse is -inf) and tanh(s / c)."""
     qk = _dot(q, kT, IEEE)
     s, tanh_s = _scores(qk, offs_m + shift, offs_n, len_k, offs_m < len_q, sm_scale, softcap, slope,
-                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND)
+                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, True)
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     p = tl.math.exp2((s - lse_safe[:, None]) * 1.4426950408889634)
     return p, tanh_s

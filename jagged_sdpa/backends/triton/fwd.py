@@ -68,8 +68,10 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
                sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi) of one sequence, base 2."""
+               HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) of one sequence, base 2; MASKED=False only for
+    blocks every row of the tile sees."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < len_k
@@ -78,7 +80,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         qk = _dot(q, k, IEEE)
         s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
-                        window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND)
+                        window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, MASKED)
         s = s * 1.4426950408889634
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key keep m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
@@ -166,15 +168,23 @@ def _attn_fwd(
     q = tl.load(Q + head.to(tl.int64) * stride_qh + q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
                 mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
-    lo = 0
+    # Keys [lo, hi) are seen by some row of the tile; under a band, keys [full_lo, full_hi) by every row.
+    lo = start_k * 0
     hi = len_k
+    full_lo = start_k * 0
+    full_hi = len_k
     if HAS_BAND:
         lo = tl.maximum(m0 + shift - window_left, 0)
         hi = tl.minimum(m0 + BLOCK_M - 1 + shift + window_right + 1, len_k)
+        full_lo = m0 + BLOCK_M - 1 + shift - window_left
+        full_hi = m0 + shift + window_right + 1
     if NUM_SPLITS > 1:
         lo = tl.maximum(lo, split * split_size)
         hi = tl.minimum(hi, (split + 1) * split_size)
     lo = (lo // BLOCK_N) * BLOCK_N
+    # Interior blocks [mid_lo, mid_hi), block-aligned inside [lo, hi), skip the mask.
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N, hi // BLOCK_N) * BLOCK_N, mid_lo)
 
     slope = 0.0
     if HAS_ALIBI:
@@ -183,14 +193,32 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    table_row = BlockTable + b.to(tl.int64) * stride_btb
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    if HAS_BAND:
+        # Causal/window tiles: masked boundary blocks around an unmasked interior. (Without a band
+        # the mask is one compare, and splitting off the last block measured more register spills
+        # with ptxas for sm_90 than it saves.)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            lo, mid_lo, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+            True)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+            False)
+        lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, BlockTable + b.to(tl.int64) * stride_btb, start_q + offs_m, pos_q,
-        row_valid, offs_d, offs_dv, start_k, len_k, lo, hi,
-        kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
-        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+        lo, hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
         sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
-    )
+        True)
 
     # A row that saw no key has l = 0: it writes zeros and lse -inf, never 0/0.
     seen = l_i > 0.0

@@ -253,6 +253,7 @@ def test_paged_decode_uses_split_k_and_explains_it():
                   causal=True, backend="triton")
     explanation = jagged_sdpa.explain(*args, **kwargs)
     assert any("split-k decode over" in note for note in explanation.notes), str(explanation)
+    assert any("query heads of each kv head share one tile" in note for note in explanation.notes)
     assert "split-k" in str(explanation)
     out, lse = jagged_sdpa.varlen_attention(*args, return_lse=True, **kwargs)
     ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k), causal=True,
@@ -261,19 +262,20 @@ def test_paged_decode_uses_split_k_and_explains_it():
     assert_close_lse(lse, ref_lse)
 
 
-def test_split_k_merge_with_every_option():
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "gqa-packed"])
+def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
     from jagged_sdpa.backends.triton.decode import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.api import _prepare_varlen
 
-    lens_q, lens_k, hq, hkv, d = [2, 0, 3], [150, 40, 300], 2, 1, 16
+    lens_q, lens_k, hq, hkv, d = [2, 0, 3], [150, 40, 300], 3, 1, 16
     q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, 24, torch.float32)
     cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
     slopes = torch.rand(len(lens_q), hq, device=DEVICE)
     call, _, _ = _prepare_varlen(q, k, v, cu_q, cu_k, None, None, 0.0, None, True, (100, -1), 4.0, slopes,
                                  True, None, None, "triton")
-    parts = launch_fwd(call, num_splits=3)
+    parts = launch_fwd(call, num_splits=3, pack_gqa=pack_gqa)
     assert parts.out.shape[0] == 3
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
     ref_out, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right", window=(100, -1),
@@ -315,8 +317,11 @@ def _dropout_reference(q, k, v, keep, cu_q, cu_k, p, grad_out):
     return out.detach(), (q64.grad, k64.grad, v64.grad)
 
 
-def test_dropout_mask_is_seeded_and_identical_in_forward_and_backward():
-    lens, hq, hkv, d, p = [6, 17], 2, 1, 16, 0.3
+@pytest.mark.parametrize("lens", [[6, 17], [6, 3]], ids=["prefill", "decode-gqa-packed-forward"])
+def test_dropout_mask_is_seeded_and_identical_in_forward_and_backward(lens):
+    """The forward may pack GQA heads (max_seqlen_q <= 16) while the backward never does: the philox
+    counters name (key, query row, head), so both draw the same mask either way."""
+    hq, hkv, d, p = 2, 1, 16, 0.3
     q, k, v = _tensors(lens, lens, hq, hkv, d, d, torch.float32)
     cu = cu_of(lens).to(DEVICE)
     v_one_hot = _one_hot_values(lens, hkv)

@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.triton.decode import MAX_GRID_Z, merge_splits, plan_splits, split_note
+from jagged_sdpa.backends.triton import decode
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -89,8 +89,8 @@ class TritonBackend(BackendImpl):
             elif _interpreted_state() is False:
                 yield ("triton was imported (compiled) before TRITON_INTERPRET=1 was set - set it before "
                        "importing triton")
-        if spec.batch > MAX_GRID_Z:
-            yield f"batch {spec.batch} > {MAX_GRID_Z} (cuda grid limit) - split the batch"
+        if spec.batch > decode.MAX_GRID_Z:
+            yield f"batch {spec.batch} > {decode.MAX_GRID_Z} (cuda grid limit) - split the batch"
         if spec.paged and spec.block_size and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
             yield f"block_size {spec.block_size} not a power of two >= 16"
         if spec.paged and spec.needs_grad:
@@ -98,17 +98,16 @@ class TritonBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        note = split_note(spec)
-        return () if note is None else (note,)
+        return decode.plan_notes(spec)
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
         rng = fwd.dropout_seed(call.spec)
-        splits = plan_splits(call.spec)
-        result = fwd.launch_fwd(call, num_splits=splits, rng=rng)
+        splits = decode.plan_splits(call.spec)
+        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=decode.pack_gqa(call.spec), rng=rng)
         if splits > 1:
-            out, lse = merge_splits(result.out, result.lse, call.q.dtype)
+            out, lse = decode.merge_splits(result.out, result.lse, call.q.dtype)
             return AttnOutput(out, lse, rng)
         return result
 

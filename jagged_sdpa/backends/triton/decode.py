@@ -1,11 +1,11 @@
-"""Split-K (flash-decoding) for few queries over long contexts: the rule that picks it and the lse
-merge of the partial results.
+"""Decode-shaped calls (few queries, long contexts): the rules for split-K (flash-decoding) and
+GQA head packing, and the lse merge of split-K's partial results.
 
 With one query block per sequence (decode, or a short chunk) the forward grid has only B * Hq
 programs, far fewer than a GPU has SMs. Splitting each sequence's keys over ``num_splits``
 programs fills the machine; each split writes a float32 partial out and lse and
 ``merge_splits`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``.
-The rule reads only the spec (no tensor data, no sync) and is shown by ``explain`` as a note.
+The rules read only the spec (no tensor data, no sync) and ``explain`` shows them as notes.
 """
 
 from __future__ import annotations
@@ -50,12 +50,23 @@ def plan_splits(spec: AttnSpec) -> int:
     return max(1, min(by_occupancy, by_length, by_grid, MAX_SPLITS))
 
 
-def split_note(spec: AttnSpec) -> str | None:
+def pack_gqa(spec: AttnSpec) -> bool:
+    """Few queries with GQA: put a kv group's query heads in one tile (rows = query x head), so the
+    tile is not mostly padding and each K/V block is loaded once per kv head instead of per head."""
+    return spec.gqa_group > 1 and spec.max_seqlen_q <= DECODE_MAX_SEQLEN_Q
+
+
+def plan_notes(spec: AttnSpec) -> tuple[str, ...]:
+    """The decode choices ``explain`` shows for a TRITON call."""
+    notes = []
     splits = plan_splits(spec)
-    if splits == 1:
-        return None
-    return (f"triton: split-k decode over {splits} key splits (max_seqlen_q {spec.max_seqlen_q} <= "
-            f"{DECODE_MAX_SEQLEN_Q}, max_seqlen_k {spec.max_seqlen_k} >= {2 * MIN_KEYS_PER_SPLIT})")
+    if splits > 1:
+        notes.append(f"triton: split-k decode over {splits} key splits (max_seqlen_q {spec.max_seqlen_q} <= "
+                     f"{DECODE_MAX_SEQLEN_Q}, max_seqlen_k {spec.max_seqlen_k} >= {2 * MIN_KEYS_PER_SPLIT})")
+    if pack_gqa(spec):
+        notes.append(f"triton: the {spec.gqa_group} query heads of each kv head share one tile "
+                     f"(max_seqlen_q {spec.max_seqlen_q} <= {DECODE_MAX_SEQLEN_Q})")
+    return tuple(notes)
 
 
 def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, dtype: torch.dtype):

@@ -65,7 +65,7 @@ def _prune(configs, named_args, **kwargs):
 def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_valid, offs_d,
                offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-               sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+               sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
@@ -90,7 +90,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, offs_m_rows, head, offs_n, dropout_p)
+            keep = _dropout_keep(seed, rng_offset, offs_m_rows, heads_col, offs_n, dropout_p)
             p = tl.where(keep, p, 0.0)
         v_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_vb, stride_vt, PAGED, PAGE_SIZE)
         v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
@@ -119,7 +119,7 @@ def _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.co
 @triton.autotune(
     configs=fwd_configs(),
     key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
-         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "NUM_SPLITS"],
+         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "NUM_SPLITS", "PACK_GQA"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["seed", "rng_offset"])
@@ -140,32 +140,50 @@ def _attn_fwd(
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    pid_h = tl.program_id(1)                             # kv head with PACK_GQA, query head otherwise
     pid_z = tl.program_id(2)
     b = tl.load(SeqOrder + pid_z // NUM_SPLITS)
     split = pid_z % NUM_SPLITS
     start_q, len_q, start_k, len_k = _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
-    n_blocks = tl.cdiv(len_q, BLOCK_M)
+    n_rows = len_q
+    if PACK_GQA:
+        n_rows = len_q * GROUP
+    n_blocks = tl.cdiv(n_rows, BLOCK_M)
     if pid_m >= n_blocks:
         return
-    m0 = (n_blocks - 1 - pid_m) * BLOCK_M
-    kv_head = head // GROUP
+    r0 = (n_blocks - 1 - pid_m) * BLOCK_M
+    offs_r = r0 + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        # Decode with GQA: the GROUP query heads sharing a kv head fill the tile instead of one
+        # query padding it, so each K/V block is read once per kv head.
+        kv_head = pid_h
+        offs_m = offs_r // GROUP
+        heads = kv_head * GROUP + offs_r % GROUP
+        q_first = r0 // GROUP
+        q_last = (r0 + BLOCK_M - 1) // GROUP
+    else:
+        kv_head = pid_h // GROUP
+        offs_m = offs_r
+        heads = pid_h + offs_r * 0
+        q_first = r0
+        q_last = r0 + BLOCK_M - 1
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    row_valid = offs_m < len_q
+    row_valid = offs_r < n_rows
     shift = 0
     if BOTTOM_RIGHT:
         shift = len_k - len_q
     pos_q = offs_m + shift
 
-    q_rows = (start_q + offs_m).to(tl.int64) * stride_qt
-    q = tl.load(Q + head.to(tl.int64) * stride_qh + q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
+    q_rows = (start_q + offs_m).to(tl.int64) * stride_qt + heads.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
                 mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
     # Keys [lo, hi) are seen by some row of the tile; under a band, keys [full_lo, full_hi) by every row.
@@ -174,10 +192,10 @@ def _attn_fwd(
     full_lo = start_k * 0
     full_hi = len_k
     if HAS_BAND:
-        lo = tl.maximum(m0 + shift - window_left, 0)
-        hi = tl.minimum(m0 + BLOCK_M - 1 + shift + window_right + 1, len_k)
-        full_lo = m0 + BLOCK_M - 1 + shift - window_left
-        full_hi = m0 + shift + window_right + 1
+        lo = tl.maximum(q_first + shift - window_left, 0)
+        hi = tl.minimum(q_last + shift + window_right + 1, len_k)
+        full_lo = q_last + shift - window_left
+        full_hi = q_first + shift + window_right + 1
     if NUM_SPLITS > 1:
         lo = tl.maximum(lo, split * split_size)
         hi = tl.minimum(hi, (split + 1) * split_size)
@@ -188,7 +206,8 @@ def _attn_fwd(
 
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(Alibi + b * stride_ab + head)
+        slope = tl.load(Alibi + b * stride_ab + heads)[:, None]
+    heads_col = heads[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -203,20 +222,20 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             lo, mid_lo, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             True)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             False)
         lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
         lo, hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, head,
+        sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
         True)
 
@@ -228,11 +247,10 @@ def _attn_fwd(
     out = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
 
-    o_rows = (start_q + offs_m).to(tl.int64) * stride_ot
-    o_ptrs = (Out + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + o_rows[:, None]
-              + offs_dv[None, :].to(tl.int64) * stride_od)
+    o_rows = (start_q + offs_m).to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
+    o_ptrs = Out + split.to(tl.int64) * stride_os + o_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    l_ptrs = (Lse + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
+    l_ptrs = (Lse + split.to(tl.int64) * stride_ls + heads.to(tl.int64) * stride_lh
               + (start_q + offs_m).to(tl.int64) * stride_lt)
     tl.store(l_ptrs, lse, mask=row_valid)
 
@@ -246,10 +264,11 @@ def dropout_seed(spec) -> tuple[int, int]:
     return int(draw[0]), int(draw[1])
 
 
-def launch_fwd(call: PackedCall, *, num_splits: int = 1, rng: tuple[int, int] = (0, 0)) -> AttnOutput:
+def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
+               rng: tuple[int, int] = (0, 0)) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
     ``decode.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
-    (S, Hq, total_q) instead of the final ones."""
+    (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     total_q, heads_q = q.shape[0], q.shape[1]
@@ -272,7 +291,10 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, rng: tuple[int, int] = 
     split_size = max_k
     if num_splits > 1:
         split_size = triton.cdiv(triton.cdiv(max_k, num_splits), 128) * 128
-    grid = lambda meta: (triton.cdiv(max(spec.max_seqlen_q, 1), meta["BLOCK_M"]), heads_q, batch * num_splits)
+    group = spec.heads_q // spec.heads_kv
+    rows = max(spec.max_seqlen_q, 1) * (group if pack_gqa else 1)
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), spec.heads_kv if pack_gqa else heads_q,
+                         batch * num_splits)
     with on_device(q):
         _attn_fwd[grid](
             q, k, v, out, lse,
@@ -286,13 +308,13 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, rng: tuple[int, int] = 
             spec.scale, spec.softcap or 1.0, left, right,
             spec.dropout_p, rng[0], rng[1], split_size,
             length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
-            GROUP=spec.heads_q // spec.heads_kv,
+            GROUP=group,
             HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
             BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
             HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
             PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, NUM_SPLITS=num_splits,
-            IEEE=q.dtype == torch.float32,
+            PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
         )
     if num_splits > 1:
         return AttnOutput(out, lse, rng)

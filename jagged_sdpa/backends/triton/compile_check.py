@@ -55,6 +55,9 @@ def variants(quick: bool):
     yield ("fwd causal fp32 D40 Dv24", fwd._attn_fwd, "fp32", "fp32",
            {**ALL_OFF, **_dims(40, 24), **packed, "BOTTOM_RIGHT": True, "HAS_BAND": True, "IEEE": True,
             "BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)
+    yield ("fwd decode tile (16 rows), gqa-packed, split-k, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
+           {**ALL_OFF, **_dims(128, 128), **paged_split, "GROUP": 8, "BOTTOM_RIGHT": True, "HAS_BAND": True,
+            "BLOCK_M": 16, "BLOCK_N": 128}, 4, 3)
     yield ("fwd bf16 D256", fwd._attn_fwd, "bf16", "bf16",
            {**ALL_OFF, **_dims(256, 256), **packed, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
     for kernel, name in ((bwd._attn_bwd_dkdv, "dk/dv"), (bwd._attn_bwd_dq, "dq")):

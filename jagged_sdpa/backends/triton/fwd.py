@@ -38,10 +38,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fwd_configs() -> list[triton.Config]:
-    """One safe config under the interpreter; a small Hopper/Ampere-friendly set when compiled."""
+    """One safe config under the interpreter; a small Hopper/Ampere-friendly set when compiled:
+    64/128-row tiles for prefill, 16/32-row tiles for decode-shaped calls (``_prune`` picks)."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    configs = [
+    prefill = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
     ]
@@ -50,14 +51,25 @@ def fwd_configs() -> list[triton.Config]:
         return not (c.kwargs["BLOCK_M"] == 128 and c.num_warps == 4) and not (
             c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_M"] == 64)
 
-    return list(filter(keep, configs))
+    decode = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=s)
+        for bm in (16, 32) for bn in (64, 128) for s in (2, 3)
+    ]
+    return list(filter(keep, prefill)) + decode
 
 
 def _prune(configs, named_args, **kwargs):
-    """Large head dims cannot hold 128x128 tiles in shared memory; decode wants small BLOCK_M."""
-    d = max(kwargs.get("HEAD_DIM_PAD", named_args.get("HEAD_DIM_PAD", 64)),
-            kwargs.get("HEAD_DIM_V_PAD", named_args.get("HEAD_DIM_V_PAD", 64)))
-    kept = [c for c in configs if d <= 128 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+    """Tile rows sized to the call (a decode step has GROUP rows at most, or one), and no 128x128
+    tiles for head dims above 128 (shared memory)."""
+    def arg(name, default):
+        return kwargs.get(name, named_args.get(name, default))
+
+    d = max(arg("HEAD_DIM_PAD", 64), arg("HEAD_DIM_V_PAD", 64))
+    rows = arg("max_seqlen_q_bucket", 1024) * (arg("GROUP", 1) if arg("PACK_GQA", False) else 1)
+    small = rows <= 32
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_M"] <= 32) == small
+            and (d <= 128 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
     return kept or configs[:1]
 
 

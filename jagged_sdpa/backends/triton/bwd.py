@@ -1,8 +1,8 @@
 """Backward attention kernels on packed ``thd`` buffers, with their launcher.
 
-Mirrors ``fwd.py``: ``delta = rowsum(out * grad_out)`` first, then two kernels that recompute the
-probabilities from q, k and the forward's lse (``P = exp(S - lse)``; reference: the float64
-``tests/reference.py`` differentiated by autograd):
+Mirrors ``fwd.py``: ``_attn_bwd_delta`` computes ``delta = rowsum(out * grad_out)`` first, then two
+kernels recompute the probabilities from q, k and the forward's lse (``P = exp(S - lse)``;
+reference: the float64 ``tests/reference.py`` differentiated by autograd):
 
 * ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv, B). One program owns a key
   block of one kv head and loops over the GROUP query heads that share it and over the query blocks
@@ -52,6 +52,29 @@ def _prune(configs, named_args, **kwargs):
 
 _AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
                  "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
+
+
+@triton.jit
+def _attn_bwd_delta(
+    Out, DO, Delta,                                      # out, grad_out (total_q, Hq, Dv); delta float32 (Hq, total_q)
+    stride_ot, stride_oh, stride_od,
+    stride_dot, stride_doh, stride_dod,
+    stride_lh, stride_lt,
+    total_q,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """delta = rowsum(out * grad_out) in float32, one pass over both (no float32 copies)."""
+    head = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    rows = offs_t.to(tl.int64)
+    mask = (offs_t < total_q)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    o = tl.load(Out + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
+                + offs_dv[None, :].to(tl.int64) * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
+                 + offs_dv[None, :].to(tl.int64) * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, delta, mask=offs_t < total_q)
 
 
 @triton.jit
@@ -278,8 +301,8 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
     batch = call.cu_seqlens_q.shape[0] - 1
     if batch == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         return dq, dk, dv
-    delta = (out.float() * grad_out.float()).sum(-1).t().contiguous()
     lse = lse.contiguous()
+    delta = torch.empty_like(lse)
     left, right, has_band = window_bounds(spec)
     slopes, stride_ab = alibi_args(call)
     seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
@@ -296,6 +319,11 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
                length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k))
     max_k, max_q = max(spec.max_seqlen_k, 1), max(spec.max_seqlen_q, 1)
     with on_device(q):
+        block_t = 16 if INTERPRETED else 64
+        _attn_bwd_delta[(triton.cdiv(q.shape[0], block_t), spec.heads_q)](
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), *delta.stride(), q.shape[0],
+            HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v), BLOCK_T=block_t,
+        )
         _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv, batch)](
             q, k, v, grad_out, lse, delta, dk, dv,
             call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,

@@ -48,6 +48,8 @@ def variants(quick: bool):
            {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
     yield ("bwd dq every option, bf16 D128", bwd._attn_bwd_dq, "bf16", "bf16",
            {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
+    yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
+           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64}, 4, 1)
     if quick:
         return
     yield ("fwd plain fp16 D64", fwd._attn_fwd, "fp16", "fp16",
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for name, kernel, data, out, constexprs, warps, stages in variants(args.quick):
-        jit_fn = kernel.fn  # the autotuner wraps the JITFunction
+        jit_fn = kernel if hasattr(kernel, "params") else kernel.fn  # the autotuner wraps the JITFunction
         source = ASTSource(jit_fn, signature(jit_fn, data, out, constexprs), constexprs=constexprs)
         try:
             compiled = triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})

@@ -223,7 +223,8 @@ def _paged_cache(lens_k, hkv, d, dv, block_size, dtype=torch.float32):
 @pytest.mark.parametrize("block_size,opts", [
     (16, dict(causal=True, softcap=3.0)),
     (32, dict(window_size=(5, 0), alibi="per_head")),
-], ids=["bs16-causal-softcap", "bs32-window-alibi"])
+    (3, dict(causal=True)),
+], ids=["bs16-causal-softcap", "bs32-window-alibi", "bs3-causal"])
 def test_paged_mixed_prefill_and_decode(block_size, opts):
     lens_q, lens_k, hq, hkv, d, dv = [5, 1, 0, 1], [20, 33, 7, 1], 4, 2, 40, 16
     k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, dv, block_size)
@@ -374,10 +375,9 @@ def test_reasons(monkeypatch):
     assert triton_impl.reasons(_spec(device_type="cuda", dtype=torch.bfloat16, head_dim=80, head_dim_v=96)) == ()
     assert any("dtype float64 not supported" in r for r in triton_impl.reasons(_spec(dtype=torch.float64)))
     assert any("head_dim 320 > 256" in r for r in triton_impl.reasons(_spec(head_dim=320)))
-    paged = _spec(paged=True, block_size=24, seqused_k=True, needs_grad=True)
-    reasons = triton_impl.reasons(paged)
-    assert "block_size 24 not a power of two >= 16" in reasons
-    assert any(r.startswith("paged KV cache with a gradient needed") for r in reasons)
+    assert triton_impl.reasons(_spec(paged=True, block_size=24, seqused_k=True)) == ()
+    assert triton_impl.reasons(_spec(paged=True, block_size=16, seqused_k=True, needs_grad=True)) == (
+        "paged KV cache with a gradient needed not supported - use packed keys for training",)
     assert any(r.startswith("batch 70000 > 65535") for r in triton_impl.reasons(_spec(batch=70000)))
     monkeypatch.setattr(triton_backend, "_interpreted_state", lambda: False)
     assert triton_impl.reasons(_spec()) == (

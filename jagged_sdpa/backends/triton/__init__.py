@@ -91,8 +91,6 @@ class TritonBackend(BackendImpl):
                        "importing triton")
         if spec.batch > decode.MAX_GRID_Z:
             yield f"batch {spec.batch} > {decode.MAX_GRID_Z} (cuda grid limit) - split the batch"
-        if spec.paged and spec.block_size and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
-            yield f"block_size {spec.block_size} not a power of two >= 16"
         if spec.paged and spec.needs_grad:
             yield "paged KV cache with a gradient needed not supported - use packed keys for training"
 

@@ -5,12 +5,15 @@ probabilities) and the natural-log lse of each row, reference: ``tests/reference
 
 Layout: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) or paged (num_blocks, block_size, Hkv, D/Dv)
 with a block table; every stride is passed, so non-contiguous views (a fused qkv buffer) work.
-Grid: (query blocks of the longest sequence, Hq, B * num_splits). Each program reads its sequence's
+Grid: (row blocks of the longest sequence, Hq, B * num_splits). Each program reads its sequence's
 bounds from cu_seqlens (or seqused_k), exits at once past the end, and walks only the key blocks its
-band (causal / window) can see. Sequences run heaviest first (``sequence_order``) and, inside a
-sequence, the last (for causal, heaviest) query blocks first.
-Split-K (flash-decoding, ``decode.py``): with num_splits > 1 each program takes one slice of the
-keys and writes a float32 partial output and lse that ``decode.merge_splits`` combines.
+band (causal / window) can see, unmasked where every row of the tile sees the whole block.
+Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
+heaviest) query blocks first.
+Decode-shaped calls (rules in ``decode.py``): with num_splits > 1 each program takes one slice of
+the keys and writes a float32 partial output and lse that ``decode.merge_splits`` combines
+(split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
+group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
 or per batch and head), dropout (philox, ``_common._dropout_keep``), Dv != D, any head dim <= 256
 (padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.

@@ -372,7 +372,9 @@ def test_reasons(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton_backend, "_interpreted_state", lambda: True)
     assert triton_impl.reasons(_spec()) == ()
-    assert triton_impl.reasons(_spec(device_type="cuda", dtype=torch.bfloat16, head_dim=80, head_dim_v=96)) == ()
+    assert triton_impl.reasons(_spec(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, head_dim=80,
+                                     head_dim_v=96)) == ()
+    assert triton_impl.reasons(_spec(device_type="cuda", capability=(7, 5))) == ("compute capability sm75 < sm80",)
     assert any("dtype float64 not supported" in r for r in triton_impl.reasons(_spec(dtype=torch.float64)))
     assert any("head_dim 320 > 256" in r for r in triton_impl.reasons(_spec(head_dim=320)))
     assert triton_impl.reasons(_spec(paged=True, block_size=24, seqused_k=True)) == ()
@@ -386,7 +388,7 @@ def test_reasons(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert triton_impl.reasons(_spec()) == (
         "cpu tensors need TRITON_INTERPRET=1 (set: unset) - set it before importing triton",)
-    assert triton_impl.reasons(_spec(device_type="cuda")) == ()
+    assert triton_impl.reasons(_spec(device_type="cuda", capability=(8, 0))) == ()
 
 
 def test_split_rule_reads_only_the_spec():

@@ -66,6 +66,7 @@ class TritonBackend(BackendImpl):
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         head_dim_max=HEAD_DIM_MAX,
+        min_capability=(8, 0),  # what Triton itself supports on NVIDIA GPUs
         paged=True,
         notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only"),
     )

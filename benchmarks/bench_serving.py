@@ -63,8 +63,9 @@ from serving import (  # noqa: E402  (examples/serving.py: the simulated server)
 class StepIndex:
     """Where each packed new token sits: its request (row of the step) and position in its chunk."""
 
-    def __init__(self, plan: StepPlan):
+    def __init__(self, plan: StepPlan, device):
         n = torch.tensor(plan.new_tokens)
+        self.device = device
         self.batch = len(plan.requests)
         self.row = torch.repeat_interleave(torch.arange(self.batch), n)
         starts = torch.cumsum(n, 0) - n
@@ -74,6 +75,10 @@ class StepIndex:
         self.slot = torch.tensor([r.slot for r in plan.requests])
         self.len_q = n
         self.len_k = self.cached + n
+        self.prompt = torch.tensor([r.prompt_len for r in plan.requests])
+        # Built on the host (the plan is host data) and moved in one go per tensor.
+        for name in ("row", "pos_q", "cached", "pos_k", "slot", "len_q", "len_k", "prompt"):
+            setattr(self, name, getattr(self, name).to(device))
 
 
 class PaddedGroup(NamedTuple):
@@ -94,8 +99,9 @@ class PaddedCacheStack:
 
     def __init__(self, shape: ModelShape, max_running: int, max_len: int, *, split: bool):
         cache = (max_running, shape.heads_kv, max_len, shape.head_dim)
-        self.k_caches = [torch.zeros(cache, dtype=shape.dtype) for _ in range(shape.layers)]
-        self.v_caches = [torch.zeros(cache, dtype=shape.dtype) for _ in range(shape.layers)]
+        self.k_caches = [torch.zeros(cache, dtype=shape.dtype, device=shape.device) for _ in range(shape.layers)]
+        self.v_caches = [torch.zeros(cache, dtype=shape.dtype, device=shape.device) for _ in range(shape.layers)]
+        self.device = shape.device
         self.split = split
         self.name = "padded split" if split else "padded"
 
@@ -109,13 +115,13 @@ class PaddedCacheStack:
     def group_layout(ix: StepIndex, rows: torch.Tensor) -> PaddedGroup:
         """The padding plan of the step rows ``rows``, made once per step (not per layer)."""
         tokens = torch.isin(ix.row, rows).nonzero().squeeze(1)
-        where = torch.full((ix.batch,), -1, dtype=torch.long)
-        where[rows] = torch.arange(rows.numel())
+        where = torch.full((ix.batch,), -1, dtype=torch.long, device=ix.device)
+        where[rows] = torch.arange(rows.numel(), device=ix.device)
         b = where[ix.row[tokens]]
         len_q, len_k = ix.len_q[rows], ix.len_k[rows]
         max_q, max_k = int(len_q.max()), int(len_k.max())
-        i = torch.arange(max_q).view(1, -1, 1)
-        j = torch.arange(max_k).view(1, 1, -1)
+        i = torch.arange(max_q, device=ix.device).view(1, -1, 1)
+        j = torch.arange(max_k, device=ix.device).view(1, 1, -1)
         # Bottom-right causal and key padding; padded query rows see every real key (no NaN).
         keep = (j <= i + (len_k - len_q).view(-1, 1, 1)) & (j < len_k.view(-1, 1, 1))
         return PaddedGroup(tokens, b, ix.pos_q[tokens], ix.slot[rows], max_q, max_k, keep.unsqueeze(1))
@@ -131,12 +137,12 @@ class PaddedCacheStack:
         return out.transpose(1, 2)[g.row, g.pos_q]
 
     def step(self, plan: StepPlan, layer_inputs) -> list[torch.Tensor]:
-        ix = StepIndex(plan)
+        ix = StepIndex(plan, self.device)
         if self.split:
-            decode = (ix.len_q == 1) & (ix.cached >= torch.tensor([r.prompt_len for r in plan.requests]))
+            decode = (ix.len_q == 1) & (ix.cached >= ix.prompt)
             groups = [g for g in (decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)) if g.numel()]
         else:
-            groups = [torch.arange(ix.batch)]
+            groups = [torch.arange(ix.batch, device=self.device)]
         layouts = [self.group_layout(ix, rows) for rows in groups]
         outs = []
         for (q, k_new, v_new), k_cache, v_cache in zip(layer_inputs, self.k_caches, self.v_caches):
@@ -161,12 +167,12 @@ class NjtStack(PaddedCacheStack):
         self.group = shape.heads_q // shape.heads_kv
 
     def step(self, plan: StepPlan, layer_inputs) -> list[torch.Tensor]:
-        ix = StepIndex(plan)
+        ix = StepIndex(plan, self.device)
         key_row = torch.repeat_interleave(ix.slot, ix.len_k)
-        key_pos = torch.arange(int(ix.len_k.sum())) - torch.repeat_interleave(torch.cumsum(ix.len_k, 0) - ix.len_k,
-                                                                              ix.len_k)
-        offsets_q = torch.arange(ix.batch + 1)
-        offsets_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ix.len_k, 0)])
+        starts = torch.cumsum(ix.len_k, 0) - ix.len_k
+        key_pos = torch.arange(key_row.numel(), device=self.device) - torch.repeat_interleave(starts, ix.len_k)
+        offsets_q = torch.arange(ix.batch + 1, device=self.device)
+        offsets_k = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), torch.cumsum(ix.len_k, 0)])
         outs = []
         for (q, k_new, v_new), k_cache, v_cache in zip(layer_inputs, self.k_caches, self.v_caches):
             self.append(k_cache, v_cache, ix, k_new, v_new)
@@ -184,7 +190,7 @@ class NjtStack(PaddedCacheStack):
 
     def append_only(self, plan: StepPlan, layer_inputs) -> None:
         """Keep the cache in step on the steps NJT SDPA cannot attend."""
-        ix = StepIndex(plan)
+        ix = StepIndex(plan, self.device)
         for (_, k_new, v_new), k_cache, v_cache in zip(layer_inputs, self.k_caches, self.v_caches):
             self.append(k_cache, v_cache, ix, k_new, v_new)
 
@@ -201,9 +207,9 @@ def reference_step(plan: StepPlan, layer_inputs, keys_of, layer: int) -> torch.T
     start = 0
     for req, n, total in zip(plan.requests, plan.new_tokens, plan.total_after):
         k, v = keys_of(layer, req, total)
-        q = q_all[start:start + n].double().transpose(0, 1)                       # (Hq, n, D)
-        k = k.double().transpose(0, 1).repeat_interleave(group, 0)                # (Hq, total, D)
-        v = v.double().transpose(0, 1).repeat_interleave(group, 0)
+        q = q_all[start:start + n].cpu().double().transpose(0, 1)                 # (Hq, n, D)
+        k = k.cpu().double().transpose(0, 1).repeat_interleave(group, 0)          # (Hq, total, D)
+        v = v.cpu().double().transpose(0, 1).repeat_interleave(group, 0)
         scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
         keep = torch.arange(total).view(1, -1) <= torch.arange(n).view(-1, 1) + (total - n)
         scores = scores.masked_fill(~keep, -math.inf)
@@ -246,6 +252,22 @@ class Timings:
 # the run
 
 
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} cpu ({os.cpu_count()} cores)"
+
+
+def timed(device: str, fn, *args):
+    """(result, seconds); on CUDA it waits for the device, so the time covers the work, not the launch."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    result = fn(*args)
+    sync()
+    return result, time.perf_counter() - start
+
+
 def simulate(args, shape: ModelShape, workload: Workload, *, measure: bool):
     requests = workload.generate(args.seed)
     max_len = max(r.max_tokens for r in requests)
@@ -274,15 +296,13 @@ def simulate(args, shape: ModelShape, workload: Workload, *, measure: bool):
         outs = {}
         order = stacks[index % len(stacks):] + stacks[:index % len(stacks)]
         for stack in order:
-            start = time.perf_counter()
-            outs[stack.name] = stack.step(plan, inputs)
-            all_steps[stack.name].add(time.perf_counter() - start, plan.total_new)
+            outs[stack.name], seconds = timed(shape.device, stack.step, plan, inputs)
+            all_steps[stack.name].add(seconds, plan.total_new)
             if plan.decode_only:
-                decode_steps[stack.name].add(all_steps[stack.name].seconds[-1], plan.total_new)
+                decode_steps[stack.name].add(seconds, plan.total_new)
         if plan.decode_only:
-            start = time.perf_counter()
-            outs[njt.name] = njt.step(plan, inputs)
-            decode_steps[njt.name].add(time.perf_counter() - start, plan.total_new)
+            outs[njt.name], seconds = timed(shape.device, njt.step, plan, inputs)
+            decode_steps[njt.name].add(seconds, plan.total_new)
         else:
             njt.append_only(plan, inputs)
         base = outs[jagged.name]
@@ -294,7 +314,7 @@ def simulate(args, shape: ModelShape, workload: Workload, *, measure: bool):
             layer = index % shape.layers
             ref = reference_step(plan, inputs, padded.keys_of, layer)
             for name, result in outs.items():
-                err = (result[layer].double() - ref).abs().max().item()
+                err = (result[layer].cpu().double() - ref).abs().max().item()
                 for table in (all_steps, decode_steps):
                     table[name].max_ref_err = max(table[name].max_ref_err, err)
         scheduler.commit(plan)
@@ -322,6 +342,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small workload (< 60 s)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default=None, help="force a jagged_sdpa backend (default: automatic)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
@@ -344,7 +365,8 @@ def main(argv=None) -> int:
                             prompt_max=2048, output_max=192)
         args.token_budget = args.token_budget or 512
         args.check_every = args.check_every or 25
-    shape = ModelShape(layers=args.layers, heads_q=8, heads_kv=2, head_dim=64, dtype=getattr(torch, args.dtype))
+    shape = ModelShape(layers=args.layers, heads_q=8, heads_kv=2, head_dim=64, dtype=getattr(torch, args.dtype),
+                       device=args.device)
 
     warm = Workload(requests=3, prompt_median=32, prompt_max=64, output_min=2, output_max=4)
     simulate(args, shape, warm, measure=False)
@@ -359,8 +381,8 @@ def main(argv=None) -> int:
     print(f"# bench_serving: {steps} steps, {workload.requests} requests, token budget {args.token_budget}, "
           f"max running {args.max_running}, block size {args.block_size}")
     print(f"# shape: {shape.layers} layers, Hq={shape.heads_q} Hkv={shape.heads_kv} D={shape.head_dim} "
-          f"{args.dtype}; jagged backend: {chosen}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{args.dtype} on {device_name(args.device)}; jagged backend: {chosen}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"wall {wall:.1f} s")
     print()
     print(format_table("All steps (mixed prefill + decode):", {k: v for k, v in all_steps.items() if v.seconds}))

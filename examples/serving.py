@@ -214,6 +214,7 @@ class ModelShape:
     heads_kv: int = 2
     head_dim: int = 64
     dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
 
 
 def random_layer_inputs(plan: StepPlan, shape: ModelShape, gen: torch.Generator):
@@ -221,10 +222,10 @@ def random_layer_inputs(plan: StepPlan, shape: ModelShape, gen: torch.Generator)
     n = plan.total_new
     out = []
     for _ in range(shape.layers):
-        q = torch.randn(n, shape.heads_q, shape.head_dim, generator=gen).to(shape.dtype)
-        k = torch.randn(n, shape.heads_kv, shape.head_dim, generator=gen).to(shape.dtype)
-        v = torch.randn(n, shape.heads_kv, shape.head_dim, generator=gen).to(shape.dtype)
-        out.append((q, k, v))
+        q = torch.randn(n, shape.heads_q, shape.head_dim, generator=gen)
+        k = torch.randn(n, shape.heads_kv, shape.head_dim, generator=gen)
+        v = torch.randn(n, shape.heads_kv, shape.head_dim, generator=gen)
+        out.append(tuple(t.to(shape.device, shape.dtype) for t in (q, k, v)))
     return out
 
 
@@ -235,23 +236,24 @@ class PagedAttentionStack:
 
     def __init__(self, shape: ModelShape, num_blocks: int, block_size: int, backend=None):
         cache = (num_blocks, block_size, shape.heads_kv, shape.head_dim)
-        self.k_caches = [torch.zeros(cache, dtype=shape.dtype) for _ in range(shape.layers)]
-        self.v_caches = [torch.zeros(cache, dtype=shape.dtype) for _ in range(shape.layers)]
+        self.k_caches = [torch.zeros(cache, dtype=shape.dtype, device=shape.device) for _ in range(shape.layers)]
+        self.v_caches = [torch.zeros(cache, dtype=shape.dtype, device=shape.device) for _ in range(shape.layers)]
+        self.device = shape.device
         self.backend = backend
 
-    @staticmethod
-    def step_metadata(plan: StepPlan):
+    def step_metadata(self, plan: StepPlan):
         """cu_seqlens_q, block_table, seqused_k (before the append) and the two max lengths."""
         width = max(len(r.blocks) for r in plan.requests)
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in plan.requests], dtype=torch.int32)
-        cu_q = torch.tensor([0, *_cumsum(plan.new_tokens)], dtype=torch.int32)
-        used = torch.tensor(plan.cached, dtype=torch.int32)
+        table = [r.blocks + [0] * (width - len(r.blocks)) for r in plan.requests]
+        table = torch.tensor(table, dtype=torch.int32, device=self.device)
+        cu_q = torch.tensor([0, *_cumsum(plan.new_tokens)], dtype=torch.int32, device=self.device)
+        used = torch.tensor(plan.cached, dtype=torch.int32, device=self.device)
         return cu_q, table, used, max(plan.new_tokens), max(plan.total_after)
 
     def explain(self, plan: StepPlan, layer_inputs) -> jagged_sdpa.Explanation:
         """Which backend the step's attention gets, and why not the others."""
         cu_q, table, _, max_q, max_k = self.step_metadata(plan)
-        used = torch.tensor(plan.total_after, dtype=torch.int32)
+        used = torch.tensor(plan.total_after, dtype=torch.int32, device=self.device)
         return jagged_sdpa.explain(layer_inputs[0][0], self.k_caches[0], self.v_caches[0], cu_q, None, max_q, max_k,
                                    causal=True, block_table=table, seqused_k=used, backend=self.backend)
 

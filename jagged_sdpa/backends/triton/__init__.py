@@ -29,7 +29,8 @@ HEAD_DIM_MAX = 256
 
 
 def interpret_setting() -> Optional[str]:
-    """The TRITON_INTERPRET environment variable, read at call time (the one place it is read)."""
+    """The TRITON_INTERPRET environment variable, read at call time; the only reader (the kernel
+    modules call it once, when they are imported, to record their mode)."""
     return os.environ.get("TRITON_INTERPRET")
 
 

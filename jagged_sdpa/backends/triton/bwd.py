@@ -19,19 +19,18 @@ several rows would need atomics).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from jagged_sdpa.backends.triton import interpret_setting
 from jagged_sdpa.backends.triton._common import (
     _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, on_device, sequence_order,
     window_bounds,
 )
 from jagged_sdpa.spec import PackedCall
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = interpret_setting() == "1"
 
 
 def bwd_configs() -> list[triton.Config]:

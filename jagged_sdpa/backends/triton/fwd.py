@@ -23,12 +23,11 @@ tests use fp32/fp16; bf16 is tested on CUDA only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from jagged_sdpa.backends.triton import interpret_setting
 from jagged_sdpa.backends.triton._common import (
     _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket, on_device,
     sequence_order, window_bounds,
@@ -37,7 +36,7 @@ from jagged_sdpa.spec import AttnOutput, PackedCall
 
 # Triton picks interpreted or compiled kernels when @triton.jit runs, i.e. when this module is
 # imported; the backend reads this to explain a CPU call that cannot be served.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = interpret_setting() == "1"
 
 
 def fwd_configs() -> list[triton.Config]:

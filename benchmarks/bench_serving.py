@@ -173,13 +173,13 @@ class NjtStack(PaddedCacheStack):
         key_pos = torch.arange(key_row.numel(), device=self.device) - torch.repeat_interleave(starts, ix.len_k)
         offsets_q = torch.arange(ix.batch + 1, device=self.device)
         offsets_k = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), torch.cumsum(ix.len_k, 0)])
+        njt = torch.nested.nested_tensor_from_jagged
         outs = []
         for (q, k_new, v_new), k_cache, v_cache in zip(layer_inputs, self.k_caches, self.v_caches):
             self.append(k_cache, v_cache, ix, k_new, v_new)
             # NJT SDPA has no GQA: every kv head is repeated for its query heads.
             k = k_cache[key_row, :, key_pos].repeat_interleave(self.group, dim=1)
             v = v_cache[key_row, :, key_pos].repeat_interleave(self.group, dim=1)
-            njt = torch.nested.nested_tensor_from_jagged
             q_njt = njt(q, offsets_q, min_seqlen=1, max_seqlen=1).transpose(1, 2)
             max_k = int(ix.len_k.max())
             k_njt = njt(k, offsets_k, max_seqlen=max_k).transpose(1, 2)
@@ -370,19 +370,20 @@ def main(argv=None) -> int:
 
     warm = Workload(requests=3, prompt_median=32, prompt_max=64, output_min=2, output_max=4)
     simulate(args, shape, warm, measure=False)
+    load_start = os.getloadavg()
     started = time.perf_counter()
     all_steps, decode_steps, chosen, steps = simulate(args, shape, workload, measure=True)
     wall = time.perf_counter() - started
 
     load = os.getloadavg()
-    if load[0] > (os.cpu_count() or 1):
-        print(f"# note: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes compete for the cores "
+    if max(load_start[0], load[0]) > (os.cpu_count() or 1):
+        print(f"# note: load average {max(load_start[0], load[0]):.1f} > {os.cpu_count()} cores: other processes compete for the cores "
               f"and multi-threaded timings suffer most; --threads 1 is steadier")
     print(f"# bench_serving: {steps} steps, {workload.requests} requests, token budget {args.token_budget}, "
           f"max running {args.max_running}, block size {args.block_size}")
     print(f"# shape: {shape.layers} layers, Hq={shape.heads_q} Hkv={shape.heads_kv} D={shape.head_dim} "
           f"{args.dtype} on {device_name(args.device)}; jagged backend: {chosen}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{torch.get_num_threads()} threads; load average {load_start[0]:.2f} at start, {load[0]:.2f} at end; "
           f"wall {wall:.1f} s")
     print()
     print(format_table("All steps (mixed prefill + decode):", {k: v for k, v in all_steps.items() if v.seconds}))

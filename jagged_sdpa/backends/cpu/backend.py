@@ -44,6 +44,16 @@ def uses_fused_kernel(spec: AttnSpec) -> bool:
     return not (spec.dtype == torch.float16 and spec.alibi)
 
 
+# Up to this many query rows, a sequence runs as blocked matmuls even where the fused kernel could
+# take it: the kernel reads strided packed K/V row by row, which costs ~5x a contiguous read when
+# a few queries (decoding) face many keys, while the blocked engine copies K/V once per sequence.
+SMALL_QUERY_ROWS = 16
+
+
+def fused_for_sequence(spec: AttnSpec, len_q: int) -> bool:
+    return uses_fused_kernel(spec) and len_q > SMALL_QUERY_ROWS
+
+
 def _paged_slots(call: PackedCall, b: int, length: int) -> Tensor:
     block_size = call.spec.block_size
     ids = call.block_table[b, :-(-length // block_size)].long()
@@ -113,7 +123,6 @@ class CpuFusedBackend(BackendImpl):
     def forward(cls, call: PackedCall) -> AttnOutput:
         spec = call.spec
         q = call.q
-        use_fused = uses_fused_kernel(spec)
         out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
         lse_full = None
@@ -131,7 +140,7 @@ class CpuFusedBackend(BackendImpl):
                     lse_full[:, rows] = float("-inf")
                 continue
             q_b, slopes = q[rows], _slopes(call, seq.index)
-            if use_fused:
+            if fused_for_sequence(spec, seq.len_q):
                 fused.forward_sequence(spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
                                        None if lse_full is None else lse_full[:, rows])
             else:
@@ -151,7 +160,6 @@ class CpuFusedBackend(BackendImpl):
         if state.rng is not None:
             generator = torch.Generator(device="cpu")
             generator.set_state(state.rng)
-        use_fused = uses_fused_kernel(spec)
         dq = torch.zeros_like(call.q)
         dk = torch.zeros_like(call.k)
         dv = torch.zeros_like(call.v)
@@ -164,7 +172,7 @@ class CpuFusedBackend(BackendImpl):
             dv_b = torch.empty_like(seq.v)
             args = (spec, call.q[rows], seq.k, seq.v, out[rows], lse[:, rows], grad_out[rows],
                     _slopes(call, seq.index), dq[rows], dk_b, dv_b)
-            if use_fused:
+            if fused_for_sequence(spec, seq.len_q):
                 fused.backward_sequence(*args)
             else:
                 blocked.backward_sequence(*args, generator)

@@ -69,12 +69,24 @@ def _ungrouped(x: Tensor, heads_q: int) -> Tensor:
     return x.reshape(heads_q, -1, x.shape[-1]).transpose(0, 1)
 
 
-def _scores(spec: AttnSpec, qg: Tensor, k: Tensor, block: plan.Block, shift: int, slopes, mm: torch.dtype):
+def heads_first(x: Tensor, mm: torch.dtype, copy: bool) -> Tensor:
+    """(L, H, D) -> (H, L, D) in the matmul dtype. Copied contiguous when several blocks reuse
+    it; otherwise a strided view, which BLAS reads in place (decode is bound by reading K/V
+    once, and a copy would triple that traffic)."""
+    x = x.to(mm).permute(1, 0, 2)
+    return x.contiguous() if copy else x
+
+
+def _raw_scores(spec: AttnSpec, qg: Tensor, kh: Tensor, block: plan.Block) -> Tensor:
+    kt = kh[:, block.key_lo:block.key_hi].transpose(1, 2)
+    return torch.bmm(qg, kt).view(spec.heads_q, block.row_hi - block.row_lo, -1)
+
+
+def _scores(spec: AttnSpec, qg: Tensor, kh: Tensor, block: plan.Block, shift: int, slopes, mm: torch.dtype):
     """Transformed scores of a block, (Hq, rows, keys) in float32 (float64 for float64), masked
     with -inf; also tanh(raw / softcap) for the softcap derivative (or None)."""
-    kt = k[block.key_lo:block.key_hi].to(mm).permute(1, 2, 0)
-    s = torch.bmm(qg, kt).view(spec.heads_q, block.row_hi - block.row_lo, -1)
-    s = s.to(stats_dtype(s.dtype)).mul_(spec.scale)
+    s = _raw_scores(spec, qg, kh, block)
+    s = s.to(stats_dtype(s.dtype))
     t = None
     if spec.softcap:
         t = torch.tanh(s / spec.softcap)
@@ -84,6 +96,12 @@ def _scores(spec: AttnSpec, qg: Tensor, k: Tensor, block: plan.Block, shift: int
     if not block.exact:
         s = s.masked_fill(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
     return s, t
+
+
+def _query_rows(spec: AttnSpec, q: Tensor, mm: torch.dtype) -> Tensor:
+    """q * scale, computed in float32 or better and rounded once to the matmul dtype: the matmul
+    then yields scaled scores, saving a pass over the (much larger) score block."""
+    return (q.to(stats_dtype(q.dtype)) * spec.scale).to(mm)
 
 
 def _dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> Tensor:
@@ -97,23 +115,40 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
     mm = matmul_dtype(spec)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv = spec.heads_kv
-    vg = v.to(mm).permute(1, 0, 2)
-    for block in _seq_blocks(spec, len_q, len_k):
+    blocks = list(_seq_blocks(spec, len_q, len_k))
+    kh, vg = heads_first(k, mm, len(blocks) > 1), heads_first(v, mm, len(blocks) > 1)
+    q_rows = _query_rows(spec, q, mm)
+    # The fast form: scores straight into one softmax (no float32 copy of bf16 scores).
+    fast = (not spec.softcap and slopes is None
+            and not plan.may_have_empty_rows(spec, len_q, len_k))
+    for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
             out[rows] = 0
             lse[:, rows] = float("-inf")
             continue
-        qg = _grouped(q[rows], hkv, mm)
-        s, _ = _scores(spec, qg, k, block, shift, slopes, mm)
-        row_max = s.amax(dim=-1, keepdim=True)
-        # A row that sees no key has max -inf; 0 instead makes exp() give exact zeros.
-        row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-        p = torch.exp(s - row_max)
-        denom = p.sum(dim=-1, keepdim=True)
-        if need_lse:
-            lse[:, rows] = (row_max + torch.log(denom)).squeeze(-1)
-        p /= torch.where(denom > 0, denom, 1.0)
+        qg = _grouped(q_rows[rows], hkv, mm)
+        if fast:
+            s = _raw_scores(spec, qg, kh, block)
+            if not block.exact:
+                s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
+            if need_lse or spec.dropout_p:
+                p = torch.softmax(s, dim=-1, dtype=stats_dtype(s.dtype))
+                if need_lse:
+                    # p's row max is exp(max - lse), accurate to float32 rounding.
+                    lse[:, rows] = s.amax(dim=-1).to(p.dtype) - torch.log(p.amax(dim=-1))
+            else:
+                p = torch.softmax(s, dim=-1)
+        else:
+            s, _ = _scores(spec, qg, kh, block, shift, slopes, mm)
+            row_max = s.amax(dim=-1, keepdim=True)
+            # A row that sees no key has max -inf; 0 instead makes exp() give exact zeros.
+            row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+            p = torch.exp(s - row_max)
+            denom = p.sum(dim=-1, keepdim=True)
+            if need_lse:
+                lse[:, rows] = (row_max + torch.log(denom)).squeeze(-1)
+            p /= torch.where(denom > 0, denom, 1.0)
         if spec.dropout_p:
             p = p * _dropout_keep(p.shape, spec.dropout_p, None, p.device) / (1.0 - spec.dropout_p)
         o = torch.bmm(p.to(mm).view(hkv, -1, p.shape[-1]), vg[:, block.key_lo:block.key_hi])
@@ -131,20 +166,22 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     acc = stats_dtype(q.dtype)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv, hq = spec.heads_kv, spec.heads_q
-    kg, vg = k.to(mm).permute(1, 0, 2), v.to(mm).permute(1, 0, 2)
+    blocks = list(_seq_blocks(spec, len_q, len_k))
+    kg, vg = heads_first(k, mm, len(blocks) > 1), heads_first(v, mm, len(blocks) > 1)
+    q_rows = _query_rows(spec, q, mm)
     dk_acc = torch.zeros(hkv, len_k, k.shape[-1], dtype=acc, device=q.device)
     dv_acc = torch.zeros(hkv, len_k, v.shape[-1], dtype=acc, device=q.device)
     # +inf for rows that see no key: P = exp(S - inf) = 0 there.
     lse = torch.where(torch.isneginf(lse), float("inf"), lse).to(acc)
-    for block in _seq_blocks(spec, len_q, len_k):
+    for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
             dq[rows] = 0
             continue
         keys = slice(block.key_lo, block.key_hi)
-        qg = _grouped(q[rows], hkv, mm)
-        s, t = _scores(spec, qg, k, block, shift, slopes, mm)
-        p = torch.exp(s - lse[:, rows].unsqueeze(-1))
+        qg = _grouped(q_rows[rows], hkv, mm)
+        s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
+        p = torch.exp(s.sub_(lse[:, rows].unsqueeze(-1)))
         do = grad_out[rows]
         dog = _grouped(do, hkv, mm)
         keep = None
@@ -163,6 +200,7 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
             ds = ds * (1.0 - t * t)
         dsg = ds.to(mm).view(hkv, -1, ds.shape[-1])
         dq[rows] = _ungrouped(torch.bmm(dsg, kg[:, keys]).to(acc) * spec.scale, hq)
-        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg).to(acc) * spec.scale
+        # qg holds q * scale, so this is scale * dS^T q.
+        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg).to(acc)
     dk.copy_(dk_acc.transpose(0, 1))
     dv.copy_(dv_acc.transpose(0, 1))

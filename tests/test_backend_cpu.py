@@ -1,0 +1,423 @@
+"""CPU_FUSED against the float64 reference: forward (out + lse) and backward for every option,
+both engines (fused kernel and blocked matmuls), every dtype, paged and dense keys, and the
+things a fast path gets wrong first: empty and length-1 sequences, rows that see no key, strided
+inputs, NaN tails, many blocks per sequence, dropout replay in the backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jagged_sdpa
+from jagged_sdpa import Backend
+from jagged_sdpa.backends.cpu import backend as cpu_backend
+from jagged_sdpa.backends.cpu import blocked, fused
+from cases import cu_of, in_nan_buffer
+from reference import attention_reference
+from tolerances import assert_close_lse, assert_close_packed
+
+CPU = Backend.CPU_FUSED
+
+# Ragged, with an empty query sequence, an empty key sequence, length 1, and one sequence long
+# enough for several blocks once the block size is shrunk (see ``small_blocks``).
+Q_LENS = [5, 0, 1, 37, 20, 3]
+K_LENS = [7, 3, 0, 37, 45, 1]
+
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (4, 2)},
+    "causal_window": {"causal": True, "window_size": (6, 0)},
+    "softcap": {"softcap": 3.0},
+    "alibi": {"alibi_slopes": "per_head"},
+    "alibi_batch_causal": {"alibi_slopes": "per_batch_head", "causal": True},
+    "scale": {"softmax_scale": 0.3},
+    "softcap_alibi_window": {"softcap": 2.0, "alibi_slopes": "per_head", "window_size": (8, 8)},
+}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["default_blocks", "small_blocks"])
+def block_size(request, monkeypatch):
+    """Run with the shipped block sizes and with tiny ones (many blocks per sequence, so the
+    visible-key ranges and per-block masks are exercised on small, fast shapes)."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(fused, "BLOCK_ROWS", 8)
+        monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
+        monkeypatch.setattr(blocked, "MIN_ROWS", 4)
+    return request.param
+
+
+def _slopes(kind, batch, heads):
+    if kind == "per_head":
+        return torch.rand(heads) * 0.5
+    if kind == "per_batch_head":
+        return torch.rand(batch, heads) * 0.5
+    return None
+
+
+def _inputs(q_lens, k_lens, hq, hkv, d, dv, dtype, requires_grad=False):
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    k = torch.randn(sum(k_lens), hkv, d).to(dtype)
+    v = torch.randn(sum(k_lens), hkv, dv).to(dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _reference(q, k, v, q_lens, k_lens, opts, slopes, seqused_k=None):
+    return attention_reference(
+        q.detach(), k.detach(), v.detach(), cu_of(q_lens), cu_of(k_lens), scale=opts.get("softmax_scale"),
+        causal=opts.get("causal", False), alignment="bottom_right", window=opts.get("window_size", (-1, -1)),
+        softcap=opts.get("softcap", 0.0), alibi_slopes=slopes, seqused_k=seqused_k)
+
+
+def _reference_grads(q, k, v, q_lens, k_lens, opts, slopes, grad):
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, _ = attention_reference(
+        q64, k64, v64, cu_of(q_lens), cu_of(k_lens), scale=opts.get("softmax_scale"),
+        causal=opts.get("causal", False), alignment="bottom_right", window=opts.get("window_size", (-1, -1)),
+        softcap=opts.get("softcap", 0.0), alibi_slopes=None if slopes is None else slopes.double())
+    out.backward(grad.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def _run(q, k, v, q_lens, k_lens, opts, slopes, backend=CPU, **extra):
+    call_opts = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    return jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), alibi_slopes=slopes,
+                                        return_lse=True, backend=backend, **call_opts, **extra)
+
+
+def _math_same_dtype(q, k, v, q_lens, k_lens, opts, slopes):
+    """The same call on MATH in the same dtype: the low-precision error to compare against."""
+    with torch.no_grad():
+        return _run(q, k, v, q_lens, k_lens, opts, slopes, backend=Backend.MATH)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_forward_matches_reference(name, dtype, block_size):
+    opts = OPTIONS[name]
+    hq, hkv = 4, 2
+    q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype)
+    slopes = _slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
+    out, lse = _run(q, k, v, Q_LENS, K_LENS, opts, slopes)
+    ref_out, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, opts, slopes)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (hq, sum(Q_LENS))
+    lowp = _math_same_dtype(q, k, v, Q_LENS, K_LENS, opts, slopes) if dtype in (torch.float16, torch.bfloat16) else None
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(Q_LENS), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("gqa", [(4, 4), (4, 1), (6, 2)], ids=["mha", "mqa", "gqa3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gqa_and_head_dims(gqa, dtype):
+    hq, hkv = gqa
+    for d, dv in ((16, 16), (40, 24), (59, 59)):
+        q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, d, dv, dtype)
+        out, lse = _run(q, k, v, Q_LENS, K_LENS, {"causal": True}, None)
+        ref_out, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, {"causal": True}, None)
+        lowp = _math_same_dtype(q, k, v, Q_LENS, K_LENS, {"causal": True}, None) if dtype == torch.bfloat16 else None
+        assert_close_packed(out, ref_out, cu_seqlens=cu_of(Q_LENS), lowp_ref=lowp)
+        assert_close_lse(lse, ref_lse)
+
+
+def test_rows_that_see_no_key_are_zero_with_minus_inf_lse(block_size):
+    # Bottom-right with more queries than keys: the first Lq - Lk rows see nothing under causal;
+    # a bounded window leaves rows past the keys empty too.
+    q_lens, k_lens = [9, 4, 6], [3, 0, 6]
+    q, k, v = _inputs(q_lens, k_lens, 2, 2, 8, 8, torch.float32)
+    for opts in ({"causal": True}, {"window_size": (0, 0)}, {"causal": True, "window_size": (1, 0)}):
+        out, lse = _run(q, k, v, q_lens, k_lens, opts, None)
+        ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, opts, None)
+        assert not torch.isnan(out).any()
+        assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+        assert_close_lse(lse, ref_lse)
+        empty = torch.isneginf(ref_lse[0])
+        assert empty.any() and (out[empty] == 0).all()
+
+
+def test_empty_and_single_token_batches():
+    for q_lens, k_lens in (([0, 0], [0, 0]), ([1], [1]), ([0, 1, 0], [2, 1, 0]), ([], [])):
+        q, k, v = _inputs(q_lens, k_lens, 2, 1, 8, 8, torch.float32)
+        out, lse = _run(q, k, v, q_lens, k_lens, {"causal": True}, None)
+        ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, {"causal": True}, None)
+        assert out.shape == ref_out.shape
+        assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+        assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_strided_inputs_in_nan_buffers_are_never_read_outside(dtype, block_size):
+    q, k, v = _inputs(Q_LENS, K_LENS, 4, 2, 16, 16, dtype)
+    qn, kn, vn = in_nan_buffer(q), in_nan_buffer(k), in_nan_buffer(v)
+    assert not qn.is_contiguous()
+    for opts in ({}, {"causal": True, "window_size": (5, 1)}, {"softcap": 4.0}):
+        out, lse = _run(qn, kn, vn, Q_LENS, K_LENS, opts, None)
+        ref_out, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, opts, None)
+        lowp = _math_same_dtype(q, k, v, Q_LENS, K_LENS, opts, None) if dtype == torch.bfloat16 else None
+        assert_close_packed(out, ref_out, cu_seqlens=cu_of(Q_LENS), lowp_ref=lowp)
+        assert_close_lse(lse, ref_lse)
+
+
+def test_seqused_k_limits_keys_and_tail_is_never_read():
+    q_lens, k_caps, used = [4, 6, 1], [10, 6, 9], [7, 0, 9]
+    q, k, v = _inputs(q_lens, k_caps, 2, 2, 8, 8, torch.float32)
+    cu_k = cu_of(k_caps).tolist()
+    for b, n in enumerate(used):  # keys past seqused_k hold NaN: they must not be read
+        k.data[cu_k[b] + n:cu_k[b + 1]] = float("nan")
+        v.data[cu_k[b] + n:cu_k[b + 1]] = float("nan")
+    seqused = torch.tensor(used, dtype=torch.int32)
+    out, lse = _run(q, k, v, q_lens, k_caps, {"causal": True}, None, seqused_k=seqused)
+    ref_out, ref_lse = _reference(q, k, v, q_lens, k_caps, {"causal": True}, None, seqused_k=used)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+GRAD_OPTIONS = ["plain", "causal", "causal_window", "softcap", "alibi_batch_causal", "softcap_alibi_window"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name", GRAD_OPTIONS)
+def test_backward_matches_reference(name, dtype, block_size):
+    opts = OPTIONS[name]
+    hq, hkv = 4, 2
+    q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype, requires_grad=True)
+    slopes = _slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
+    out, _ = _run(q, k, v, Q_LENS, K_LENS, opts, slopes)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    refs = _reference_grads(q, k, v, Q_LENS, K_LENS, opts, slopes, grad)
+    lowp = [None] * 3
+    if dtype in (torch.float16, torch.bfloat16):
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        _run(q2, k2, v2, Q_LENS, K_LENS, opts, slopes, backend=Backend.MATH)[0].backward(grad)
+        lowp = [q2.grad, k2.grad, v2.grad]
+    for name_g, got, ref, low, cu in (("dq", q.grad, refs[0], lowp[0], Q_LENS), ("dk", k.grad, refs[1], lowp[1], K_LENS),
+                                      ("dv", v.grad, refs[2], lowp[2], K_LENS)):
+        assert got.dtype == dtype
+        assert_close_packed(got, ref, cu_seqlens=cu_of(cu), name=name_g, grad=True, lowp_ref=low, fudge=3.0)
+
+
+@pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 2.0, "window_size": (3, 3)}],
+                         ids=["fused_engine", "blocked_engine"])
+def test_gradcheck_float64(opts):
+    q_lens, k_lens = [3, 1, 0, 5], [4, 2, 1, 5]
+    q, k, v = _inputs(q_lens, k_lens, 2, 1, 4, 3, torch.float64, requires_grad=True)
+    cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
+
+    def f(q, k, v):
+        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, backend=CPU, **opts)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_dropout_is_reproducible_and_its_backward_replays_the_forward_masks():
+    q_lens, k_lens = [3, 6, 1], [5, 6, 2]
+    q, k, v = _inputs(q_lens, k_lens, 2, 2, 4, 4, torch.float64, requires_grad=True)
+    cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
+
+    def f(q, k, v):
+        torch.manual_seed(1234)
+        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.3, causal=True, backend=CPU)
+    first, second = f(q, k, v), f(q, k, v)
+    assert torch.equal(first, second)
+    with torch.no_grad():
+        plain = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=CPU)
+    assert not torch.allclose(first, plain)
+    # Same seed before each evaluation = same masks: gradcheck then verifies that the backward
+    # replays exactly the forward's dropout masks.
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_dropout_is_unbiased():
+    q_lens = [40]
+    q, k, v = _inputs(q_lens, q_lens, 1, 1, 8, 8, torch.float32)
+    cu = cu_of(q_lens)
+    plain = jagged_sdpa.varlen_attention(q, k, v, cu, cu, backend=CPU)
+    mean = sum(jagged_sdpa.varlen_attention(q, k, v, cu, cu, dropout_p=0.5, backend=CPU) for _ in range(400)) / 400
+    assert (mean - plain).abs().mean() < 0.05 * plain.abs().mean() + 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa entry, dense and paged keys, selection
+
+
+def _njt(lengths, heads, dim, dtype=torch.float32, requires_grad=False):
+    """A (B, H, j, D) NJT view of a leaf (B, j, H, D) NJT (the leaf is returned for .grad)."""
+    parts = [torch.randn(n, heads, dim).to(dtype) for n in lengths]
+    leaf = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=requires_grad)
+    return leaf.transpose(1, 2), leaf
+
+
+def test_automatic_selection_picks_cpu_fused_on_cpu():
+    q, _ = _njt([3, 8], 2, 8)
+    assert jagged_sdpa.explain(q, q, q, is_causal=True).chosen == CPU
+    x = torch.randn(11, 2, 8)
+    cu = cu_of([3, 8])
+    for extra in ({}, {"softcap": 2.0, "dropout_p": 0.1}, {"window_size": (2, 0)}):
+        assert jagged_sdpa.explain(x, x, x, cu, cu, **extra).chosen == CPU
+    paged = torch.randn(4, 16, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    used = torch.tensor([20, 5], dtype=torch.int32)
+    assert jagged_sdpa.explain(x, paged, paged, cu, None, block_table=table, seqused_k=used).chosen == CPU
+
+
+def test_explain_says_when_an_option_takes_the_slower_engine():
+    x = torch.randn(11, 2, 8)
+    cu = cu_of([3, 8])
+    assert not jagged_sdpa.explain(x, x, x, cu, cu, causal=True).notes
+    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, softcap=2.0).notes)
+    assert "softcap" in notes and "blocked matmuls" in notes and "x the time" in notes
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_sdpa_njt_forward_and_backward(alignment):
+    lengths_q, lengths_k = [5, 1, 30], [9, 4, 30]
+    (q, q_leaf), (k, k_leaf), (v, v_leaf) = (_njt(lengths_q, 4, 16, requires_grad=True),
+                                             _njt(lengths_k, 2, 16, requires_grad=True),
+                                             _njt(lengths_k, 2, 16, requires_grad=True))
+    out = jagged_sdpa.sdpa(q, k, v, is_causal=True, enable_gqa=True, causal_alignment=alignment,
+                           window_size=(7, -1), backend="cpu_fused")
+    packed_out = out.transpose(1, 2).values()
+    grad = torch.randn_like(packed_out)
+    packed_out.backward(grad)
+    leaves = [t.values().detach().double().requires_grad_(True) for t in (q_leaf, k_leaf, v_leaf)]
+    ref, _ = attention_reference(*leaves, cu_of(lengths_q), cu_of(lengths_k), causal=True, alignment=alignment,
+                                 window=(7, -1))
+    assert_close_packed(packed_out, ref, cu_seqlens=cu_of(lengths_q))
+    ref.backward(grad.double())
+    for name, leaf, ref_leaf, lens in (("dq", q_leaf, leaves[0], lengths_q), ("dk", k_leaf, leaves[1], lengths_k),
+                                       ("dv", v_leaf, leaves[2], lengths_k)):
+        assert_close_packed(leaf.grad.values(), ref_leaf.grad, cu_seqlens=cu_of(lens), name=name, grad=True)
+
+
+def test_sdpa_dense_kv_matches_reference():
+    lengths = [3, 12, 1]
+    q, _ = _njt(lengths, 2, 8)
+    k, v = torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)
+    out = jagged_sdpa.sdpa(q, k, v, backend="cpu_fused", is_causal=True, causal_alignment="bottom_right")
+    pk = k.transpose(1, 2).reshape(21, 2, 8)
+    pv = v.transpose(1, 2).reshape(21, 2, 8)
+    ref, _ = attention_reference(q.transpose(1, 2).values(), pk, pv, cu_of(lengths), [0, 7, 14, 21],
+                                 causal=True, alignment="bottom_right")
+    assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(lengths))
+
+
+def _paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_first_block=False):
+    """A shuffled block table over a NaN-filled cache; returns the call pieces and packed K/V."""
+    need = [-(-n // block_size) for n in used]
+    width = max(need + [1])
+    num_blocks = sum(need) + 3
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    ids = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(used), width, dtype=torch.int32)
+    packed_k, packed_v = [], []
+    for b, n in enumerate(used):
+        row = [ids.pop() for _ in range(need[b])]
+        if shared_first_block and b > 0 and need[b] and need[0]:
+            row[0] = int(table[0, 0])
+        table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        kb = torch.randn(n, hkv, d).to(dtype)
+        vb = torch.randn(n, hkv, d).to(dtype)
+        for i in range(n):
+            blk = row[i // block_size]
+            if shared_first_block and b > 0 and i < block_size:
+                kb[i], vb[i] = k_cache[blk, i], v_cache[blk, i]
+            else:
+                k_cache[blk, i % block_size], v_cache[blk, i % block_size] = kb[i], vb[i]
+        packed_k.append(kb)
+        packed_v.append(vb)
+    return k_cache, v_cache, table, torch.tensor(used, dtype=torch.int32), torch.cat(packed_k), torch.cat(packed_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_paged_decode_few_queries_long_contexts(dtype):
+    q_lens, used = [1, 1, 2, 1], [70, 1, 33, 0]
+    k_cache, v_cache, table, seqused, pk, pv = _paged_case(q_lens, used, 16, 2, 16, dtype)
+    q = torch.randn(sum(q_lens), 4, 16).to(dtype)
+    out, lse = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, 2, 70, causal=True,
+                                            block_table=table, seqused_k=seqused, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, pk, pv, cu_of(q_lens), cu_of(used), causal=True, alignment="bottom_right")
+    lowp = None
+    if dtype == torch.bfloat16:
+        lowp = jagged_sdpa.varlen_attention(q, pk, pv, cu_of(q_lens), cu_of(used), causal=True, backend="math")
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+
+
+def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
+    q_lens, used = [3, 5, 2], [20, 9, 17]
+    k_cache, v_cache, table, seqused, pk, pv = _paged_case(q_lens, used, 8, 1, 8, torch.float64, shared_first_block=True)
+    k_cache = torch.nan_to_num(k_cache, nan=0.0).requires_grad_(True)
+    v_cache = torch.nan_to_num(v_cache, nan=0.0).requires_grad_(True)
+    q = torch.randn(sum(q_lens), 2, 8, dtype=torch.float64, requires_grad=True)
+    out = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, block_table=table,
+                                       seqused_k=seqused, causal=True, backend=CPU)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    # The same call through MATH (differentiated by torch autograd) gives the cache gradients.
+    q2, kc2, vc2 = (t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache))
+    jagged_sdpa.varlen_attention(q2, kc2, vc2, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
+                                 causal=True, backend="math").backward(grad)
+    for got, ref in ((q.grad, q2.grad), (k_cache.grad, kc2.grad), (v_cache.grad, vc2.grad)):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
+
+
+def test_causal_blocks_skip_masked_keys(monkeypatch):
+    """Causal work is about half the full square: each block multiplies only its visible keys."""
+    seen = []
+    original = fused._FWD
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append(q.shape[2] * k.shape[2])
+        return original(q, k, v, *args, **kwargs)
+    monkeypatch.setattr(fused, "_FWD", recording)
+    n = 4 * fused.BLOCK_ROWS
+    x = torch.randn(n, 1, 8)
+    cu = cu_of([n])
+    jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, backend=CPU)
+    assert len(seen) == 4 and sum(seen) <= 0.65 * n * n
+
+
+def test_memory_per_block_is_bounded_for_long_sequences(monkeypatch):
+    """The blocked engine never materialises more than one block of scores for a long sequence."""
+    largest = []
+    original = blocked._raw_scores
+
+    def recording(spec, qg, kh, block):
+        s = original(spec, qg, kh, block)
+        largest.append(s.numel())
+        return s
+    monkeypatch.setattr(blocked, "_raw_scores", recording)
+    n = 3000
+    x = torch.randn(n, 4, 8).to(torch.bfloat16)
+    cu = cu_of([n])
+    jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend=CPU)
+    assert max(largest) <= blocked.BLOCK_ELEMENTS + 4 * n * blocked.MIN_ROWS
+    assert sum(largest) == 4 * n * n
+
+
+def test_bfloat16_lse_requested_without_grad_is_float32_accurate():
+    q, k, v = _inputs(Q_LENS, K_LENS, 4, 2, 32, 32, torch.bfloat16)
+    _, lse = _run(q, k, v, Q_LENS, K_LENS, {"softcap": 20.0}, None)
+    _, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, {"softcap": 20.0}, None)
+    assert_close_lse(lse, ref_lse)
+
+
+def test_engine_choice():
+    spec = jagged_sdpa.explain(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                               cu_of([4]), cu_of([4])).spec
+    assert cpu_backend.uses_fused_kernel(spec)
+    assert not cpu_backend.uses_fused_kernel(spec.replace(dtype=torch.bfloat16))
+    assert not cpu_backend.uses_fused_kernel(spec.replace(softcap=1.0))
+    assert not cpu_backend.uses_fused_kernel(spec.replace(dropout_p=0.1))
+    assert not cpu_backend.uses_fused_kernel(spec.replace(head_dim_v=4))
+    assert not cpu_backend.fused_for_sequence(spec, 1)  # decode rows: blocked matmuls

@@ -266,7 +266,7 @@ def test_paged_decode_uses_split_k_and_explains_it():
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "gqa-packed"])
 def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
-    from jagged_sdpa.backends.triton.decode import merge_splits
+    from jagged_sdpa.backends.triton.plans import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.api import _prepare_varlen
 
@@ -392,12 +392,19 @@ def test_reasons(monkeypatch):
 
 
 def test_split_rule_reads_only_the_spec():
-    from jagged_sdpa.backends.triton.decode import plan_splits
+    from jagged_sdpa.backends.triton.plans import plan_splits
 
     assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=4096)) > 1
     assert plan_splits(_spec(max_seqlen_q=64, max_seqlen_k=4096)) == 1
     assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=100)) == 1
     assert IMPLS[Backend.TRITON].plan_notes(_spec()) == ()
+    from jagged_sdpa.backends.triton.plans import plan_group_splits
+
+    mqa = _spec(heads_q=4, heads_kv=1, batch=1, max_seqlen_q=17, max_seqlen_k=17, needs_grad=True)
+    assert plan_group_splits(mqa) == 4
+    assert plan_group_splits(mqa.replace(heads_q=6)) == 2
+    assert plan_group_splits(mqa.replace(batch=64)) == 1
+    assert any("backward splits each kv head's 4 query heads over 4" in n for n in IMPLS[Backend.TRITON].plan_notes(mqa))
 
 
 # ---------------------------------------------------------------------------------------------------

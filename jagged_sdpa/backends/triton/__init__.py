@@ -1,4 +1,4 @@
-"""TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``, ``decode.py``).
+"""TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``; launch plans in ``plans.py``).
 
 Triton decides between compiled and interpreted functions when ``@triton.jit`` runs: for its own
 library functions (``tl.cdiv``, ``tl.philox``) that is when ``triton`` is imported, for ours when
@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.triton import decode
+from jagged_sdpa.backends.triton import plans
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -91,27 +91,27 @@ class TritonBackend(BackendImpl):
             elif _interpreted_state() is False:
                 yield ("triton was imported (compiled) before TRITON_INTERPRET=1 was set - set it before "
                        "importing triton")
-        if spec.batch > decode.MAX_GRID_Z:
-            yield f"batch {spec.batch} > {decode.MAX_GRID_Z} (cuda grid limit) - split the batch"
+        if spec.batch > plans.MAX_GRID_Z:
+            yield f"batch {spec.batch} > {plans.MAX_GRID_Z} (cuda grid limit) - split the batch"
         if spec.paged and spec.needs_grad:
             yield "paged KV cache with a gradient needed not supported - use packed keys for training"
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        return decode.plan_notes(spec)
+        return plans.plan_notes(spec)
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
         rng = fwd.dropout_seed(call.spec)
-        splits = decode.plan_splits(call.spec)
-        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=decode.pack_gqa(call.spec), rng=rng)
+        splits = plans.plan_splits(call.spec)
+        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec), rng=rng)
         if splits > 1:
-            out, lse = decode.merge_splits(result.out, result.lse, call.q.dtype)
+            out, lse = plans.merge_splits(result.out, result.lse, call.q.dtype)
             return AttnOutput(out, lse, rng)
         return result
 
     @classmethod
     def backward(cls, call: PackedCall, out, lse, grad_out, state):
         _, bwd = _kernels()
-        return bwd.launch_bwd(call, out, lse, grad_out, rng=state)
+        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec), rng=state)

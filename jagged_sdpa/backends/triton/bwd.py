@@ -4,10 +4,11 @@ Mirrors ``fwd.py``: ``_attn_bwd_delta`` computes ``delta = rowsum(out * grad_out
 kernels recompute the probabilities from q, k and the forward's lse (``P = exp(S - lse)``;
 reference: the float64 ``tests/reference.py`` differentiated by autograd):
 
-* ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv, B). One program owns a key
-  block of one kv head and loops over the GROUP query heads that share it and over the query blocks
-  its band can see, so dK/dV are reduced across the query group in registers: no expanded K/V,
-  no atomics, deterministic.
+* ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv * GROUP_SPLITS, B). One program
+  owns a key block of one kv head and loops over (its share of) the GROUP query heads that share it
+  and over the query blocks its band can see, so dK/dV are reduced across the query group in
+  registers (and, with GROUP_SPLITS > 1, over float32 partials afterwards): no expanded K/V, no
+  atomics, deterministic.
 * ``_attn_bwd_dq``: grid (query blocks, Hq, B). One program owns a query block and loops over the
   key blocks its band can see.
 
@@ -109,8 +110,8 @@ def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
     return ds
 
 
-@triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
-                 reset_to_zero=["DK", "DV"])
+@triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY + ["GROUP_SPLITS"],
+                 prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DK", "DV"])
 @triton.jit(do_not_specialize=["seed", "rng_offset"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
@@ -120,12 +121,13 @@ def _attn_bwd_dkdv(
     stride_vt, stride_vh, stride_vd,                     # v (total_k, Hkv, Dv)
     stride_dot, stride_doh, stride_dod,                  # grad_out (total_q, Hq, Dv)
     stride_lh, stride_lt,                                # lse and delta (Hq, total_q)
-    stride_dkt, stride_dkh, stride_dkd,                  # dk like k
-    stride_dvt, stride_dvh, stride_dvd,                  # dv like v
+    stride_dks, stride_dkt, stride_dkh, stride_dkd,      # dk like k, or float32 partials (splits, *k.shape)
+    stride_dvs, stride_dvt, stride_dvh, stride_dvd,      # dv likewise
     stride_ab,                                           # alibi batch stride (0 = per head)
     sm_scale, softcap, window_left, window_right, dropout_p, seed, rng_offset,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only
     GROUP: tl.constexpr,
+    GROUP_SPLITS: tl.constexpr,                          # programs sharing one kv head's query group
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -133,7 +135,8 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // GROUP_SPLITS
+    group_split = tl.program_id(1) % GROUP_SPLITS
     b = tl.load(SeqOrder + tl.program_id(2))
     start_q, len_q, start_k, len_k = _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED)
     n_blocks = tl.cdiv(len_k, BLOCK_N)
@@ -167,8 +170,8 @@ def _attn_bwd_dkdv(
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
+    for g in range(GROUP // GROUP_SPLITS):
+        head = kv_head * GROUP + group_split * (GROUP // GROUP_SPLITS) + g
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Alibi + b * stride_ab + head)
@@ -198,10 +201,10 @@ def _attn_bwd_dkdv(
             dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
 
     dk = dk * sm_scale
-    tl.store(DK + kv_head.to(tl.int64) * stride_dkh + k_rows[:, None] * stride_dkt
+    tl.store(DK + group_split.to(tl.int64) * stride_dks + kv_head.to(tl.int64) * stride_dkh + k_rows[:, None] * stride_dkt
              + offs_d[None, :].to(tl.int64) * stride_dkd, dk.to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + kv_head.to(tl.int64) * stride_dvh + k_rows[:, None] * stride_dvt
+    tl.store(DV + group_split.to(tl.int64) * stride_dvs + kv_head.to(tl.int64) * stride_dvh + k_rows[:, None] * stride_dvt
              + offs_dv[None, :].to(tl.int64) * stride_dvd, dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
@@ -290,16 +293,20 @@ def _attn_bwd_dq(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
-    """(dq, dk, dv) in the shapes of call.q/k/v (packed keys only; see the module docstring)."""
+def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1, rng=(0, 0)):
+    """(dq, dk, dv) in the shapes of call.q/k/v (packed keys only; see the module docstring).
+    group_splits > 1 spreads each kv head's query group over that many dK/dV programs, which write
+    float32 partials summed here (``plans.plan_group_splits``)."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.zeros(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
     batch = call.cu_seqlens_q.shape[0] - 1
     if batch == 0 or q.shape[0] == 0 or k.shape[0] == 0:
-        return dq, dk, dv
+        return dq, torch.zeros(k.shape, device=k.device, dtype=k.dtype), torch.zeros(v.shape, device=v.device,
+                                                                                     dtype=v.dtype)
+    part_dtype = torch.float32 if group_splits > 1 else k.dtype
+    dk_parts = torch.zeros((group_splits, *k.shape), device=k.device, dtype=part_dtype)
+    dv_parts = torch.zeros((group_splits, *v.shape), device=v.device, dtype=part_dtype)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     left, right, has_band = window_bounds(spec)
@@ -323,11 +330,11 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
             out, grad_out, delta, *out.stride(), *grad_out.stride(), *delta.stride(), q.shape[0],
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v), BLOCK_T=block_t,
         )
-        _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv, batch)](
-            q, k, v, grad_out, lse, delta, dk, dv,
+        _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv * group_splits, batch)](
+            q, k, v, grad_out, lse, delta, dk_parts, dv_parts,
             call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
-            *dk.stride(), *dv.stride(), stride_ab, *scalars, **common,
+            *dk_parts.stride(), *dv_parts.stride(), stride_ab, *scalars, GROUP_SPLITS=group_splits, **common,
         )
         _attn_bwd_dq[lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), spec.heads_q, batch)](
             q, k, v, grad_out, lse, delta, dq,
@@ -335,4 +342,6 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, rng=(0, 0)):
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             *dq.stride(), stride_ab, *scalars, **common,
         )
-    return dq, dk, dv
+    if group_splits > 1:
+        return dq, dk_parts.sum(0).to(k.dtype), dv_parts.sum(0).to(v.dtype)
+    return dq, dk_parts[0], dv_parts[0]

@@ -23,7 +23,8 @@ from triton.compiler import ASTSource
 
 from jagged_sdpa.backends.triton import bwd, fwd
 
-DATA_POINTERS = {"Q", "K", "V", "DO", "DK", "DV", "DQ"}
+DATA_POINTERS = {"Q", "K", "V", "DO", "DQ"}
+OUT_POINTERS = {"Out", "DK", "DV"}  # may be float32 partials (split-k, backward group splits)
 FLOAT32_POINTERS = {"Lse", "Delta", "Alibi"}
 FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
 
@@ -44,8 +45,8 @@ def variants(quick: bool):
     packed = dict(PAGED=False, PAGE_SIZE=16, NUM_SPLITS=1, PACK_GQA=False)
     yield ("fwd every option, paged, split-k, gqa-packed, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
            {**ALL_ON, **_dims(128, 128), **paged_split, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
-    yield ("bwd dk/dv every option, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "bf16",
-           {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
+    yield ("bwd dk/dv every option, group split, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "fp32",
+           {**ALL_ON, **_dims(128, 128), "GROUP_SPLITS": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
     yield ("bwd dq every option, bf16 D128", bwd._attn_bwd_dq, "bf16", "bf16",
            {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
     yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
@@ -62,11 +63,11 @@ def variants(quick: bool):
             "BLOCK_M": 16, "BLOCK_N": 128}, 4, 3)
     yield ("fwd bf16 D256", fwd._attn_fwd, "bf16", "bf16",
            {**ALL_OFF, **_dims(256, 256), **packed, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
-    for kernel, name in ((bwd._attn_bwd_dkdv, "dk/dv"), (bwd._attn_bwd_dq, "dq")):
+    for kernel, name, extra in ((bwd._attn_bwd_dkdv, "dk/dv", {"GROUP_SPLITS": 1}), (bwd._attn_bwd_dq, "dq", {})):
         yield (f"bwd {name} plain fp16 D96", kernel, "fp16", "fp16",
-               {**ALL_OFF, **_dims(96, 96), "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
+               {**ALL_OFF, **_dims(96, 96), **extra, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
         yield (f"bwd {name} bf16 D256", kernel, "bf16", "bf16",
-               {**ALL_OFF, **_dims(256, 256), "BLOCK_M": 32, "BLOCK_N": 64}, 4, 1)
+               {**ALL_OFF, **_dims(256, 256), **extra, "BLOCK_M": 32, "BLOCK_N": 64}, 4, 1)
 
 
 def signature(kernel, data: str, out: str, constexprs: dict) -> dict:
@@ -77,7 +78,7 @@ def signature(kernel, data: str, out: str, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in DATA_POINTERS:
             sig[name] = "*" + data
-        elif name == "Out":
+        elif name in OUT_POINTERS:
             sig[name] = "*" + out
         elif name in FLOAT32_POINTERS:
             sig[name] = "*fp32"

@@ -10,8 +10,8 @@ bounds from cu_seqlens (or seqused_k), exits at once past the end, and walks onl
 band (causal / window) can see, unmasked where every row of the tile sees the whole block.
 Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
 heaviest) query blocks first.
-Decode-shaped calls (rules in ``decode.py``): with num_splits > 1 each program takes one slice of
-the keys and writes a float32 partial output and lse that ``decode.merge_splits`` combines
+Decode-shaped calls (rules in ``plans.py``): with num_splits > 1 each program takes one slice of
+the keys and writes a float32 partial output and lse that ``plans.merge_splits`` combines
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
@@ -281,7 +281,7 @@ def dropout_seed(spec) -> tuple[int, int]:
 def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
                rng: tuple[int, int] = (0, 0)) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
-    ``decode.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
+    ``plans.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
     (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v

@@ -1,11 +1,15 @@
-"""Decode-shaped calls (few queries, long contexts): the rules for split-K (flash-decoding) and
-GQA head packing, and the lse merge of split-K's partial results.
+"""Launch plans that read only the spec (no tensor data, no host sync), shown by ``explain`` as
+notes, plus the lse merge of split-K's partial results.
 
-With one query block per sequence (decode, or a short chunk) the forward grid has only B * Hq
-programs, far fewer than a GPU has SMs. Splitting each sequence's keys over ``num_splits``
-programs fills the machine; each split writes a float32 partial out and lse and
-``merge_splits`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``.
-The rules read only the spec (no tensor data, no sync) and ``explain`` shows them as notes.
+* Split-K (flash-decoding): with one query block per sequence (decode, a short chunk) the forward
+  grid has only B * Hq programs, far fewer than a GPU has SMs. Splitting each sequence's keys over
+  ``num_splits`` programs fills the machine; each split writes a float32 partial out and lse and
+  ``merge_splits`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``.
+* GQA packing: with few queries, a kv group's query heads share one forward tile.
+* Backward group splits: the dK/dV kernel runs one program per (key block, kv head, sequence) and
+  loops over the kv head's query group; with MQA or large groups and few sequences that leaves SMs
+  idle, so the group is split over programs that write float32 partials summed afterwards
+  (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ DECODE_MAX_SEQLEN_Q = 16
 # Below this many keys per split, the merge costs more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
+# Key rows per dK/dV program assumed by the backward plan (the autotuned BLOCK_N is 32 to 128).
+BWD_KEY_BLOCK = 64
 
 
 @functools.cache
@@ -32,7 +38,7 @@ def _cuda_programs_wanted(index: int) -> int:
     return 2 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs_wanted(spec: AttnSpec) -> int:
+def programs_wanted(spec: AttnSpec) -> int:
     if spec.device_type == "cuda" and torch.cuda.is_available():
         return _cuda_programs_wanted(torch.cuda.current_device())
     # The interpreter and unknown devices: a small fixed target keeps the rule testable on CPU.
@@ -44,7 +50,7 @@ def plan_splits(spec: AttnSpec) -> int:
     if spec.max_seqlen_q > DECODE_MAX_SEQLEN_Q or spec.max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return 1
     programs = max(spec.batch * spec.heads_q, 1)
-    by_occupancy = -(-_programs_wanted(spec) // programs)
+    by_occupancy = -(-programs_wanted(spec) // programs)
     by_length = spec.max_seqlen_k // MIN_KEYS_PER_SPLIT
     by_grid = MAX_GRID_Z // max(spec.batch, 1)
     return max(1, min(by_occupancy, by_length, by_grid, MAX_SPLITS))
@@ -56,8 +62,18 @@ def pack_gqa(spec: AttnSpec) -> bool:
     return spec.gqa_group > 1 and spec.max_seqlen_q <= DECODE_MAX_SEQLEN_Q
 
 
+def plan_group_splits(spec: AttnSpec) -> int:
+    """How many programs share one kv head's query group in the dK/dV kernel (a divisor of it)."""
+    group = spec.gqa_group
+    programs = spec.batch * spec.heads_kv * -(-max(spec.max_seqlen_k, 1) // BWD_KEY_BLOCK)
+    splits = 1
+    while group % (2 * splits) == 0 and programs * splits < programs_wanted(spec):
+        splits *= 2
+    return splits
+
+
 def plan_notes(spec: AttnSpec) -> tuple[str, ...]:
-    """The decode choices ``explain`` shows for a TRITON call."""
+    """The launch choices ``explain`` shows for a TRITON call."""
     notes = []
     splits = plan_splits(spec)
     if splits > 1:
@@ -66,6 +82,9 @@ def plan_notes(spec: AttnSpec) -> tuple[str, ...]:
     if pack_gqa(spec):
         notes.append(f"triton: the {spec.gqa_group} query heads of each kv head share one tile "
                      f"(max_seqlen_q {spec.max_seqlen_q} <= {DECODE_MAX_SEQLEN_Q})")
+    if spec.needs_grad and (splits := plan_group_splits(spec)) > 1:
+        notes.append(f"triton: backward splits each kv head's {spec.gqa_group} query heads over {splits} programs "
+                     f"(few key blocks x kv heads to fill the device)")
     return tuple(notes)
 
 

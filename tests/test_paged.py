@@ -239,6 +239,18 @@ def test_return_lse_false_gives_out_only(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_max_lengths_may_be_upper_bounds(backend):
+    """A server passes bounds (its chunk size, its context limit), not this step's exact maxima."""
+    case = make_case(MIXED_Q, MIXED_K, block_size=16, seed=7)
+    require(backend, case, causal=True)
+    args = list(case.args())
+    args[5], args[6] = case.max_q + 7, case.block_table.shape[1] * 16
+    out = jagged_sdpa.varlen_attention(*args, **case.kwargs(backend=backend, causal=True))
+    ref_out, _ = reference(case)
+    assert_close_packed(out, ref_out, cu_seqlens=case.cu_q.tolist())
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 def test_paged_equals_packed_keys(backend):
     """The same keys, paged or packed, give the same answer on one backend."""
     case = make_case(MIXED_Q, MIXED_K, block_size=16, seed=3)

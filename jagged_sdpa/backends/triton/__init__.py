@@ -34,6 +34,13 @@ def interpret_setting() -> Optional[str]:
     return os.environ.get("TRITON_INTERPRET")
 
 
+def autotune_setting() -> bool:
+    """JAGGED_SDPA_TRITON_AUTOTUNE=1 makes the kernels benchmark their whole config set on the first
+    call of each shape bucket (minutes of compilation each); otherwise one config per shape class
+    is picked by rule. The kernel modules read it once, when they are imported."""
+    return os.environ.get("JAGGED_SDPA_TRITON_AUTOTUNE") == "1"
+
+
 def _interpreted_state() -> Optional[bool]:
     """Whether the Triton functions already decorated in this process are interpreted; None when
     triton is not imported yet (the mode will be decided by the environment at import)."""

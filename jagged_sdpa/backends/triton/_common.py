@@ -85,6 +85,16 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def tile_bytes_per_row(named_args: dict, kwargs: dict) -> int:
+    """Padded head dim x element size of q: what decides which tiles fit in shared memory."""
+    def arg(name, default):
+        return kwargs.get(name, named_args.get(name, default))
+
+    d = max(arg("HEAD_DIM_PAD", 64), arg("HEAD_DIM_V_PAD", 64))
+    q = named_args.get("Q")
+    return d * (q.element_size() if hasattr(q, "element_size") else 2)
+
+
 def head_dim_pad(d: int) -> int:
     """tl.dot needs power-of-two extents >= 16; the extra dims are masked."""
     return max(16, triton.next_power_of_2(d))

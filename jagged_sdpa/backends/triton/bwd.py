@@ -24,28 +24,48 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_sdpa.backends.triton import interpret_setting
+from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
     _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, on_device, sequence_order,
-    window_bounds,
+    tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import PackedCall
 
 INTERPRETED = interpret_setting() == "1"
+AUTOTUNE = autotune_setting()
 
 
 def bwd_configs() -> list[triton.Config]:
-    """One config under the interpreter; a few to autotune when compiled."""
+    """One config under the interpreter. Compiled: one per row width by default (``_prune``), a
+    set to benchmark with JAGGED_SDPA_TRITON_AUTOTUNE=1."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if not AUTOTUNE:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                for bm, bn, w, s, _ in DEFAULT_TILES]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn in ((32, 64), (64, 64), (64, 32), (32, 128)) for w in (4, 8) for s in (1, 2)
     ]
 
 
+# Default tiles (BLOCK_M, BLOCK_N, warps, stages, widest row in bytes = padded head dim x element
+# size), widest first; from ptxas reports for sm_90 (compile_check.py): 64x64 at bf16 D=128 uses
+# 82 KB of shared memory in dK/dV; the narrower tiles keep fp32 and D=256 under A100's 164 KB.
+DEFAULT_TILES = (
+    (64, 64, 8, 2, 256),
+    (32, 64, 4, 1, 512),
+    (16, 32, 4, 1, 1 << 30),
+)
+
+
 def _prune(configs, named_args, **kwargs):
-    d = max(kwargs.get("HEAD_DIM_PAD", 64), kwargs.get("HEAD_DIM_V_PAD", 64))
+    row_bytes = tile_bytes_per_row(named_args, kwargs)
+    if not AUTOTUNE:
+        widest = {(bm, bn): row for bm, bn, _, _, row in DEFAULT_TILES}
+        kept = [c for c in configs if row_bytes <= widest[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]]
+        return kept[:1] or configs[-1:]
+    d = row_bytes // 2
     kept = [c for c in configs if d <= 64 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 // (d // 64)]
     return kept or configs[:1]
 

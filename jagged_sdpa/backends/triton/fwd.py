@@ -27,23 +27,28 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_sdpa.backends.triton import interpret_setting
+from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
     _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket, on_device,
-    sequence_order, window_bounds,
+    sequence_order, tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
 # Triton picks interpreted or compiled kernels when @triton.jit runs, i.e. when this module is
 # imported; the backend reads this to explain a CPU call that cannot be served.
 INTERPRETED = interpret_setting() == "1"
+AUTOTUNE = autotune_setting()
 
 
 def fwd_configs() -> list[triton.Config]:
-    """One safe config under the interpreter; a small Hopper/Ampere-friendly set when compiled:
-    64/128-row tiles for prefill, 16/32-row tiles for decode-shaped calls (``_prune`` picks)."""
+    """One config under the interpreter. Compiled: by default one config per shape class, picked by
+    ``_prune`` (prefill tiles of 128/64 rows, 16-row decode tiles, smaller tiles where a row is
+    wide); with JAGGED_SDPA_TRITON_AUTOTUNE=1 a Hopper/Ampere set the autotuner benchmarks."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if not AUTOTUNE:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                for bm, bn, w, s in DEFAULT_TILES]
     prefill = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
@@ -60,18 +65,37 @@ def fwd_configs() -> list[triton.Config]:
     return list(filter(keep, prefill)) + decode
 
 
+# Default tiles (BLOCK_M, BLOCK_N, warps, stages), widest first: the first that fits a call's row
+# width (padded head dim x element size, in bytes) is used. Chosen from ptxas reports for sm_90
+# (compile_check.py): the 128x64 prefill tile spills ~30 B at bf16 D=128, the others fit the
+# shared memory of A100 (164 KB) and H100 (228 KB). To be replaced by measured choices on a GPU.
+DEFAULT_TILES = (
+    (128, 64, 8, 3),   # prefill, rows up to 256 B (bf16/fp16 D <= 128, fp32 D <= 64)
+    (64, 64, 4, 2),    # prefill, rows up to 512 B
+    (64, 32, 4, 1),    # prefill, wider rows (fp32 D=256)
+    (16, 128, 4, 2),   # decode, rows up to 256 B
+    (16, 64, 4, 2),    # decode, rows up to 512 B
+    (16, 32, 4, 1),    # decode, wider rows
+)
+_TILE_ROW_BYTES = {(128, 64): 256, (64, 64): 512, (64, 32): 1 << 30, (16, 128): 256, (16, 64): 512,
+                   (16, 32): 1 << 30}
+
+
 def _prune(configs, named_args, **kwargs):
-    """Tile rows sized to the call (a decode step has GROUP rows at most, or one), and no 128x128
-    tiles for head dims above 128 (shared memory)."""
+    """Tile rows sized to the call (a decode step has GROUP rows at most, or one); tiles that fit
+    the row width; without autotuning, the first (widest) such tile only."""
     def arg(name, default):
         return kwargs.get(name, named_args.get(name, default))
 
-    d = max(arg("HEAD_DIM_PAD", 64), arg("HEAD_DIM_V_PAD", 64))
+    row_bytes = tile_bytes_per_row(named_args, kwargs)
     rows = arg("max_seqlen_q_bucket", 1024) * (arg("GROUP", 1) if arg("PACK_GQA", False) else 1)
     small = rows <= 32
-    kept = [c for c in configs
-            if (c.kwargs["BLOCK_M"] <= 32) == small
-            and (d <= 128 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= 32) == small]
+    if not AUTOTUNE:
+        kept = [c for c in kept if row_bytes <= _TILE_ROW_BYTES.get((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]), 0)]
+        return kept[:1] or configs[-1:]
+    d = row_bytes // 2
+    kept = [c for c in kept if d <= 128 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
     return kept or configs[:1]
 
 

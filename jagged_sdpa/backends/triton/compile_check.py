@@ -53,22 +53,21 @@ def variants(quick: bool):
            {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64}, 4, 1)
     if quick:
         return
-    yield ("fwd plain fp16 D64", fwd._attn_fwd, "fp16", "fp16",
-           {**ALL_OFF, **_dims(64, 64), **packed, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
-    yield ("fwd causal fp32 D40 Dv24", fwd._attn_fwd, "fp32", "fp32",
-           {**ALL_OFF, **_dims(40, 24), **packed, "BOTTOM_RIGHT": True, "HAS_BAND": True, "IEEE": True,
-            "BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)
-    yield ("fwd decode tile (16 rows), gqa-packed, split-k, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
-           {**ALL_OFF, **_dims(128, 128), **paged_split, "GROUP": 8, "BOTTOM_RIGHT": True, "HAS_BAND": True,
-            "BLOCK_M": 16, "BLOCK_N": 128}, 4, 3)
-    yield ("fwd bf16 D256", fwd._attn_fwd, "bf16", "bf16",
-           {**ALL_OFF, **_dims(256, 256), **packed, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
-    for kernel, name, extra in ((bwd._attn_bwd_dkdv, "dk/dv", {"GROUP_SPLITS": 1}), (bwd._attn_bwd_dq, "dq", {})):
-        yield (f"bwd {name} plain fp16 D96", kernel, "fp16", "fp16",
-               {**ALL_OFF, **_dims(96, 96), **extra, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
-        yield (f"bwd {name} bf16 D256", kernel, "bf16", "bf16",
-               {**ALL_OFF, **_dims(256, 256), **extra, "BLOCK_M": 32, "BLOCK_N": 64}, 4, 1)
-
+    # Every default tile at the widest row it serves: what runs when autotuning is off.
+    widest = {256: ("bf16", 128), 512: ("bf16", 256)}
+    for bm, bn, warps, stages in fwd.DEFAULT_TILES:
+        data, d = widest.get(fwd._TILE_ROW_BYTES[(bm, bn)], ("fp32", 256))
+        for causal in (False, True):
+            yield (f"fwd default tile {bm}x{bn} {data} D{d}{' causal' if causal else ''}", fwd._attn_fwd, data, data,
+                   {**ALL_OFF, **_dims(d, d), **packed, "PACK_GQA": bm <= 32, "GROUP": 8 if bm <= 32 else 1,
+                    "HAS_BAND": causal, "BOTTOM_RIGHT": causal, "IEEE": data == "fp32",
+                    "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+    for bm, bn, warps, stages, row_bytes in bwd.DEFAULT_TILES:
+        data, d = widest.get(row_bytes, ("fp32", 256))
+        for kernel, name, extra in ((bwd._attn_bwd_dkdv, "dk/dv", {"GROUP_SPLITS": 1}), (bwd._attn_bwd_dq, "dq", {})):
+            yield (f"bwd {name} default tile {bm}x{bn} {data} D{d} causal", kernel, data, data,
+                   {**ALL_OFF, **_dims(d, d), **extra, "HAS_BAND": True, "BOTTOM_RIGHT": True,
+                    "IEEE": data == "fp32", "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
 
 def signature(kernel, data: str, out: str, constexprs: dict) -> dict:
     sig = {}

@@ -23,7 +23,8 @@ from jagged_sdpa.spec import AttnSpec
 # Grid axis 2 (sequences x splits) holds at most this many programs on CUDA.
 MAX_GRID_Z = 65535
 
-# A query block of the forward kernel covers up to this many queries on every config.
+# Calls with at most this many queries per sequence are decode-shaped (decode, short chunks):
+# one forward tile holds all of a sequence's queries, so only more programs add parallelism.
 DECODE_MAX_SEQLEN_Q = 16
 # Below this many keys per split, the merge costs more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 128
@@ -49,7 +50,7 @@ def plan_splits(spec: AttnSpec) -> int:
     """Number of key splits for this call; 1 means the ordinary forward."""
     if spec.max_seqlen_q > DECODE_MAX_SEQLEN_Q or spec.max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return 1
-    programs = max(spec.batch * spec.heads_q, 1)
+    programs = max(spec.batch * (spec.heads_kv if pack_gqa(spec) else spec.heads_q), 1)
     by_occupancy = -(-programs_wanted(spec) // programs)
     by_length = spec.max_seqlen_k // MIN_KEYS_PER_SPLIT
     by_grid = MAX_GRID_Z // max(spec.batch, 1)

@@ -420,4 +420,28 @@ def test_engine_choice():
     assert not cpu_backend.uses_fused_kernel(spec.replace(softcap=1.0))
     assert not cpu_backend.uses_fused_kernel(spec.replace(dropout_p=0.1))
     assert not cpu_backend.uses_fused_kernel(spec.replace(head_dim_v=4))
-    assert not cpu_backend.fused_for_sequence(spec, 1)  # decode rows: blocked matmuls
+    assert not cpu_backend.fused_for_sequence(spec, 1, 4096)  # decode rows: blocked matmuls
+    assert not cpu_backend.fused_for_sequence(spec, 100, 100)  # small work: blocked matmuls
+    assert cpu_backend.fused_for_sequence(spec, 300, 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window_size": (3, 2)}], ids=["plain", "causal", "window"])
+def test_many_short_sequences_run_as_padded_groups(dtype, opts, monkeypatch):
+    calls = []
+    original = cpu_backend.grouped.forward_group
+
+    def recording(spec, q, k, v, members, *args):
+        calls.append(len(members))
+        return original(spec, q, k, v, members, *args)
+    monkeypatch.setattr(cpu_backend.grouped, "forward_group", recording)
+    gen = torch.Generator().manual_seed(3)
+    q_lens = torch.randint(1, 20, (16,), generator=gen).tolist()
+    k_lens = [n + int(d) for n, d in zip(q_lens, torch.randint(0, 6, (16,), generator=gen))]
+    q, k, v = _inputs(q_lens, k_lens, 6, 2, 16, 16, dtype)
+    out, lse = _run(q, k, v, q_lens, k_lens, opts, None)
+    assert sum(calls) >= 12
+    ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, opts, None)
+    lowp = _math_same_dtype(q, k, v, q_lens, k_lens, opts, None) if dtype == torch.bfloat16 else None
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)

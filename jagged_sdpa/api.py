@@ -155,6 +155,9 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes):
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
         stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max)
+        if offsets_host is None:
+            layout.assert_cu_on_device(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
+                                       f"{name}'s cached max seqlen")
         return packed, stats, layout.njt_cu_seqlens(njt)
     # An NJT with holes: each sequence b is values[offsets[b] : offsets[b] + lengths[b]].
     n_values = njt.transpose(1, 2).values().shape[0] if njt.requires_grad else njt._values.shape[1]
@@ -237,25 +240,37 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                 [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
     host = layout.read_host(*to_read) if read else None
     stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q)
+    if host is None:
+        layout.assert_cu_on_device("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
     seqused_host = None
     if paged:
         num_blocks, block_size = k.shape[0], k.shape[1]
-        capacity = [block_table.shape[1] * block_size] * batch
-        stats_k = layout.lengths_stats("seqused_k", host and host[2], capacity, max_k)
+        width = block_table.shape[1]
+        stats_k = layout.lengths_stats("seqused_k", host and host[2], [width * block_size] * batch, max_k)
         if host is not None:
             seqused_host = tuple(host[2])
-            width = block_table.shape[1]
             rows = [host[1][b * width:(b + 1) * width] for b in range(batch)]
             inputs.validate_block_ids(rows, seqused_host, block_size, num_blocks)
+        else:
+            layout.assert_lengths_on_device("seqused_k", seqused_k, torch.full_like(seqused_k, width * block_size), max_k)
+            layout.assert_block_ids_on_device(block_table, seqused_k, block_size, num_blocks)
         cu_k_host = None
     else:
         block_size = 0
-        stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], None if seqused_k is not None else max_k)
+        # With seqused_k, max_seqlen_k bounds the used keys, not the cu_seqlens_k segments.
+        max_cu_k = max_k if seqused_k is None else (k.shape[0] if host is None else None)
+        stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k)
         cu_k_host = stats_k.cu_host
+        if host is None:
+            layout.assert_cu_on_device("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
         if seqused_k is not None:
-            capacity = _lengths(cu_k_host) if host is not None else None
-            stats_k = layout.lengths_stats("seqused_k", host and host[2], capacity, max_k)
-            seqused_host = tuple(host[2]) if host is not None else None
+            if host is not None:
+                seqused_host = tuple(host[2])
+                stats_k = layout.lengths_stats("seqused_k", seqused_host, _lengths(cu_k_host), max_k)
+            else:
+                segments = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+                layout.assert_lengths_on_device("seqused_k", seqused_k, segments, max_k)
+                stats_k = layout.SeqlenStats(None, max_k, True)
     spec = AttnSpec(
         entry="varlen",
         device_type=q.device.type,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import jagged_sdpa
@@ -95,3 +96,30 @@ def test_packed_to_njt_with_holes_builds_new_offsets():
                                                lengths=torch.tensor([2, 2])).transpose(1, 2)
     out = jagged_sdpa.sdpa(q, q, q)
     assert [t.shape[1] for t in out.unbind()] == [2, 2]
+
+
+def test_device_side_checks_catch_what_the_host_read_would():
+    """Without a host read (accelerator + max lengths) the same checks are queued on the device;
+    on CPU tensors torch._assert_async raises at once, which lets us test them here."""
+    good = cu_of([3, 5])
+    layout.assert_cu_on_device("cu_seqlens_q", good, 8, 5, "max_seqlen_q")
+    for bad, total, max_len in ((cu_of([3, 6]), 8, 6), (good, 8, 4), (torch.tensor([1, 3, 8], dtype=torch.int32), 8, 5),
+                                (torch.tensor([0, 5, 3, 8], dtype=torch.int32), 8, 5)):
+        with pytest.raises(RuntimeError, match="cu_seqlens_q must start at 0"):
+            layout.assert_cu_on_device("cu_seqlens_q", bad, total, max_len, "max_seqlen_q")
+    used = torch.tensor([4, 9], dtype=torch.int32)
+    layout.assert_lengths_on_device("seqused_k", used, torch.tensor([8, 16]), 9)
+    with pytest.raises(RuntimeError, match="seqused_k must be >= 0"):
+        layout.assert_lengths_on_device("seqused_k", used, torch.tensor([8, 8]), 9)
+    table = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)
+    layout.assert_block_ids_on_device(table, torch.tensor([8, 4], dtype=torch.int32), 4, 4)  # [1, 1] unread
+    with pytest.raises(RuntimeError, match="block_table entries must be in"):
+        layout.assert_block_ids_on_device(table, torch.tensor([8, 5], dtype=torch.int32), 4, 4)
+
+
+def test_no_read_path_with_seqused_k_builds_a_spec():
+    q = torch.empty(7, 2, 8, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    used = torch.empty(2, dtype=torch.int32, device="meta")
+    call, _, _ = _prepare_varlen(q, q, q, cu, cu, 4, 3, 0.0, None, True, (-1, -1), 0.0, None, False, None, used, None)
+    assert call.spec.max_seqlen_k == 3 and call.spec.seqused_k

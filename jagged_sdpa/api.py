@@ -207,11 +207,16 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         option values, non-None ``attn_mask``. NoBackendError: no backend (or the forced one)
         can take the call; the message lists every backend's reasons.
     """
-    call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment, window_size, softcap, alibi_slopes, backend)
+    # NJT attribute reads (shape, dtype, device, ...) go through NestedTensor.__torch_function__
+    # (~10 us each, dozens per call); with it disabled they are plain C reads. Ops on NJTs still
+    # reach their real implementation through __torch_dispatch__.
+    with torch._C.DisableTorchFunctionSubclass():
+        call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            causal_alignment, window_size, softcap, alibi_slopes, backend)
     chosen = choose(call.spec, forced, notes).chosen
     result = run(IMPLS[chosen], call)
-    return layout.packed_to_njt(result.out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+    with torch._C.DisableTorchFunctionSubclass():
+        return layout.packed_to_njt(result.out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -173,6 +173,9 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     dv_acc = torch.zeros(hkv, len_k, v.shape[-1], dtype=acc, device=q.device)
     # +inf for rows that see no key: P = exp(S - inf) = 0 there.
     lse = torch.where(torch.isneginf(lse), float("inf"), lse).to(acc)
+    # Without softcap or ALiBi, every pass over a block reads the matmul dtype and writes the next
+    # operand directly (bf16: four passes over the block instead of eight).
+    fast = not spec.softcap and slopes is None
     for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
@@ -180,8 +183,16 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
             continue
         keys = slice(block.key_lo, block.key_hi)
         qg = _grouped(q_rows[rows], hkv, mm)
-        s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
-        p = torch.exp(s.sub_(lse[:, rows].unsqueeze(-1)))
+        block_lse = lse[:, rows].unsqueeze(-1)
+        t = None
+        if fast:
+            s = _raw_scores(spec, qg, kg, block)
+            if not block.exact:
+                s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
+            p = torch.sub(s, block_lse).exp_()
+        else:
+            s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
+            p = torch.exp(s.sub_(block_lse))
         do = grad_out[rows]
         dog = _grouped(do, hkv, mm)
         keep = None
@@ -190,17 +201,17 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
             p_used = p * keep / (1.0 - spec.dropout_p)
         else:
             p_used = p
-        dv_acc[:, keys] += torch.bmm(p_used.to(mm).view(hkv, -1, p.shape[-1]).transpose(1, 2), dog).to(acc)
-        dp = torch.bmm(dog, vg[:, keys].transpose(1, 2)).view(hq, p.shape[1], -1).to(acc)
+        dv_acc[:, keys] += torch.bmm(p_used.to(mm).view(hkv, -1, p.shape[-1]).transpose(1, 2), dog)
+        dp = torch.bmm(dog, vg[:, keys].transpose(1, 2)).view(hq, p.shape[1], -1)
         if keep is not None:
             dp = dp * keep / (1.0 - spec.dropout_p)
         delta = (do.to(acc) * out[rows].to(acc)).sum(-1).transpose(0, 1).unsqueeze(-1)
-        ds = p * (dp - delta)
+        ds = torch.sub(dp, delta)                    # promoted to float32/float64
         if t is not None:
-            ds = ds * (1.0 - t * t)
-        dsg = ds.to(mm).view(hkv, -1, ds.shape[-1])
-        dq[rows] = _ungrouped(torch.bmm(dsg, kg[:, keys]).to(acc) * spec.scale, hq)
+            ds.mul_(1.0 - t * t)
+        dsg = torch.mul(ds, p, out=torch.empty(ds.shape, dtype=mm)).view(hkv, -1, ds.shape[-1])
+        dq[rows] = _ungrouped(torch.bmm(dsg, kg[:, keys]).mul_(spec.scale), hq)
         # qg holds q * scale, so this is scale * dS^T q.
-        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg).to(acc)
+        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg)
     dk.copy_(dk_acc.transpose(0, 1))
     dv.copy_(dv_acc.transpose(0, 1))

@@ -20,7 +20,8 @@ Reported: tokens/s over all steps (prefill + decode tokens / time), per-step lat
 (all layers of a step), the same on decode-only steps, and correctness: every implementation vs
 the jagged output on every step, and all of them vs a float64 per-request reference on a sample.
 
-    python benchmarks/bench_serving.py [--quick] [--dtype bfloat16] [--backend cpu_fused]
+    python benchmarks/bench_serving.py [--quick] [--threads 1] [--dtype bfloat16] [--backend cpu_fused]
+                                       [--device cuda]
 """
 
 from __future__ import annotations
@@ -350,10 +351,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--check-every", type=int, default=None, help="float64 check every N steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads, 0 = torch's default. 1 by default: on a shared machine "
+                             "multi-threaded small ops stall whenever another process holds a core")
     args = parser.parse_args(argv)
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.quick:
         workload = Workload(requests=args.requests or 24, arrivals_per_step=1.0, prompt_median=96,
@@ -377,8 +379,8 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()
     if max(load_start[0], load[0]) > (os.cpu_count() or 1):
-        print(f"# note: load average {max(load_start[0], load[0]):.1f} > {os.cpu_count()} cores: other processes compete for the cores "
-              f"and multi-threaded timings suffer most; --threads 1 is steadier")
+        print(f"# note: load average {max(load_start[0], load[0]):.1f} > {os.cpu_count()} cores: other processes "
+              f"compete for the cores")
     print(f"# bench_serving: {steps} steps, {workload.requests} requests, token budget {args.token_budget}, "
           f"max running {args.max_running}, block size {args.block_size}")
     print(f"# shape: {shape.layers} layers, Hq={shape.heads_q} Hkv={shape.heads_kv} D={shape.head_dim} "

@@ -655,3 +655,69 @@ def test_paged_cases_under_the_interpreter():
                              "-k", "triton"], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout, result.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# the serving example and its benchmark (examples/serving.py, benchmarks/bench_serving.py)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(relative_path: str, name: str):
+    import importlib.util
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative_path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serving_example_steps_match_the_reference_and_free_every_block():
+    serving = _load("examples/serving.py", "serving")
+    shape = serving.ModelShape(layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.float32)
+    workload = serving.Workload(requests=6, arrivals_per_step=1.0, prompt_median=12, prompt_max=40,
+                                output_min=1, output_max=6).generate(3)
+    block_size, budget = 4, 16
+    num_blocks = sum(-(-r.max_tokens // block_size) for r in workload)
+    allocator = serving.BlockAllocator(num_blocks, block_size)
+    scheduler = serving.Scheduler(workload, allocator, token_budget=budget, max_running=4)
+    stack = serving.PagedAttentionStack(shape, num_blocks, block_size, backend=Backend.MATH)
+    history = {r.rid: [([], []) for _ in range(shape.layers)] for r in workload}
+    gen = torch.Generator().manual_seed(0)
+    steps = 0
+    while not scheduler.done:
+        plan = scheduler.plan()
+        if plan is None:
+            continue
+        assert plan.total_new <= budget and len(plan.requests) <= 4
+        inputs = serving.random_layer_inputs(plan, shape, gen)
+        outs = stack.step(plan, inputs)
+        cu = [0, *itertools.accumulate(plan.new_tokens)]
+        for layer, (q, k_new, v_new) in enumerate(inputs):
+            ks, vs, cu_k = [], [], [0]
+            for b, req in enumerate(plan.requests):
+                keys, values = history[req.rid][layer]
+                keys.append(k_new[cu[b]:cu[b + 1]])
+                values.append(v_new[cu[b]:cu[b + 1]])
+                ks.append(torch.cat(keys))
+                vs.append(torch.cat(values))
+                cu_k.append(cu_k[-1] + ks[-1].shape[0])
+            ref, _ = attention_reference(q, torch.cat(ks), torch.cat(vs), cu, cu_k, causal=True,
+                                         alignment="bottom_right")
+            assert_close_packed(outs[layer], ref, cu_seqlens=cu, name=f"step {plan.step} layer {layer}")
+        scheduler.commit(plan)
+        steps += 1
+    assert steps > 0
+    assert all(r.generated == r.output_len and r.cached == r.max_tokens for r in workload)
+    assert sorted(allocator.free) == list(range(num_blocks)), "every block is back in the free list"
+
+
+def test_serving_benchmark_runs_and_agrees():
+    bench = _load("benchmarks/bench_serving.py", "bench_serving")
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--requests", "3", "--layers", "1", "--check-every", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # main() sets one thread for the whole process

@@ -30,9 +30,9 @@ import argparse
 import math
 import os
 import platform
-import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,12 +41,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-try:
-    import jagged_sdpa
-except ImportError:  # run from a source checkout without installing
-    sys.path.insert(0, str(ROOT))
-    import jagged_sdpa
-from serving import (  # noqa: E402  (examples/serving.py: the simulated server)
+from serving import (  # noqa: E402  (examples/serving.py: the simulated server; it finds jagged_sdpa)
     BlockAllocator,
     ModelShape,
     PagedAttentionStack,
@@ -325,7 +320,8 @@ def simulate(args, shape: ModelShape, workload: Workload, *, measure: bool):
 
 def format_table(title, timings, tokens_label="tokens/s"):
     lines = [f"{title}", "",
-             f"| implementation | steps | {tokens_label} | vs padded | p50 ms | p90 ms | p99 ms | max diff vs jagged | max err vs float64 |",
+             f"| implementation | steps | {tokens_label} | vs padded | p50 ms | p90 ms | p99 ms "
+             f"| max diff vs jagged | max err vs float64 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     padded_rate = timings["padded"].row()[1]
     for name, t in timings.items():
@@ -355,6 +351,7 @@ def main(argv=None) -> int:
                         help="torch intra-op threads, 0 = torch's default. 1 by default: on a shared machine "
                              "multi-threaded small ops stall whenever another process holds a core")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.quick:

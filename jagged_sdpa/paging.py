@@ -36,7 +36,8 @@ def _validate_caches(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Ten
             raise ValueError(f"{name} must have shape (total_new, {cache.shape[2]}, {cache.shape[3]}) to match "
                              f"{cache_name}, got {tuple(t.shape)}")
     if k_new.shape[0] != v_new.shape[0]:
-        raise ValueError(f"k_new and v_new must have the same number of tokens, got {k_new.shape[0]} and {v_new.shape[0]}")
+        raise ValueError(f"k_new and v_new must have the same number of tokens, got {k_new.shape[0]} and "
+                         f"{v_new.shape[0]}")
     inputs.validate_same_device(("k_cache", "v_cache", "k_new", "v_new"), (k_cache, v_cache, k_new, v_new))
 
 

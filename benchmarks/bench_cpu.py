@@ -9,8 +9,8 @@ Contenders, timed interleaved in one process (round r times every contender once
 Every contender's output (and gradients, for forward+backward rows) is checked against ours.
 
 Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the call; CPU time
-spent by other processes (system busy time minus this process's CPU time) above 10% of the
-sample's CPU capacity marks the round disturbed, and it is repeated (up to a limit; how many were
+spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
+threads leave free, above 10% of the machine marks the round disturbed, and it is repeated (up to a limit; how many were
 repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
 (/proc/self/clear_refs resets the peak; glibc is told to return large blocks to the OS at once).
 
@@ -199,8 +199,10 @@ def timed(fn: Callable, reps: int) -> Sample:
     t1, cpu1, busy1 = time.perf_counter(), time.process_time(), _system_busy_ticks()
     wall = t1 - t0
     others = (busy1 - busy0) / CLK_TCK - (cpu1 - cpu0)
-    # /proc/stat counts in ticks: allow one tick per CPU of slack on top of the 10% threshold.
-    disturbed = others > 0.10 * wall * NCPU + NCPU / CLK_TCK
+    # Others may use the CPUs our threads leave free; beyond that, more than 10% of the machine
+    # is a disturbance. /proc/stat counts in ticks: one tick per CPU of slack.
+    free_cpus = max(0, NCPU - torch.get_num_threads())
+    disturbed = others > (free_cpus + 0.10 * NCPU) * wall + NCPU / CLK_TCK
     return Sample(wall / reps, disturbed)
 
 

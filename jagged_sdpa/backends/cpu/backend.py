@@ -10,13 +10,14 @@ the lse at full precision.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.cpu import blocked, fused, grouped
+from jagged_sdpa.backends.cpu import blocked, fused, grouped, schedule
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -57,9 +58,11 @@ SMALL_QUERY_ROWS = 16
 SMALL_PAIRS = 128 * 128
 
 
-# Sequences with at most this many (query, key) pairs are padded into groups (``grouped.py``):
-# below it per-sequence op overhead outweighs the padding.
+# Sequences with at most this many (query, key) pairs and keys are padded into groups
+# (``grouped.py``): there per-sequence op overhead outweighs the padding. Longer key ranges are
+# not grouped: decoding reads each key once, and a padded copy would triple that traffic.
 GROUPED_PAIRS = 32 * 32
+GROUPED_KEYS = 64
 
 
 def fused_for_sequence(spec: AttnSpec, len_q: int, len_k: int, backward: bool = False) -> bool:
@@ -143,12 +146,12 @@ class CpuFusedBackend(BackendImpl):
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
         rng = torch.get_rng_state() if spec.dropout_p and spec.needs_grad else None
-        short = []
+        short, tasks, weights = [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             len_k = seq.k.shape[0]
             if len_k and not fused_for_sequence(spec, seq.len_q, len_k) and grouped.eligible(spec, seq.len_q, len_k) \
-                    and seq.len_q * len_k <= GROUPED_PAIRS and lse_full is None:
+                    and seq.len_q * len_k <= GROUPED_PAIRS and len_k <= GROUPED_KEYS and lse_full is None:
                 short.append(grouped.Member(seq.q_start, seq.len_q, seq.key_rows.start, len_k))
                 continue
             if len_k == 0:
@@ -158,22 +161,28 @@ class CpuFusedBackend(BackendImpl):
                     lse_full[:, rows] = float("-inf")
                 continue
             q_b, slopes = q[rows], _slopes(call, seq.index)
-            if fused_for_sequence(spec, seq.len_q, seq.k.shape[0]):
-                fused.forward_sequence(spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
-                                       None if lse_full is None else lse_full[:, rows])
+            if fused_for_sequence(spec, seq.len_q, len_k):
+                tasks.append(functools.partial(
+                    fused.forward_sequence, spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
+                    None if lse_full is None else lse_full[:, rows]))
             else:
                 target = lse[:, rows] if lse_full is None else lse_full[:, rows]
-                blocked.forward_sequence(spec, q_b, seq.k, seq.v, slopes, out[rows], target, spec.return_lse)
-                if lse_full is not None:
-                    lse[:, rows] = lse_full[:, rows]
+                tasks.append(functools.partial(
+                    blocked.forward_sequence, spec, q_b, seq.k, seq.v, slopes, out[rows], target, spec.return_lse))
+            weights.append(seq.len_q * len_k)
         for members in grouped.groups(short, spec.heads_q) if short else ():
             if len(members) == 1:
                 m = members[0]
                 rows, keys = slice(m.q_start, m.q_start + m.len_q), slice(m.k_start, m.k_start + m.len_k)
-                blocked.forward_sequence(spec, q[rows], call.k[keys], call.v[keys], None, out[rows], lse[:, rows],
-                                         spec.return_lse)
+                tasks.append(functools.partial(blocked.forward_sequence, spec, q[rows], call.k[keys], call.v[keys],
+                                               None, out[rows], lse[:, rows], spec.return_lse))
             else:
-                grouped.forward_group(spec, q, call.k, call.v, members, out, lse, spec.return_lse)
+                tasks.append(functools.partial(grouped.forward_group, spec, q, call.k, call.v, members, out, lse,
+                                               spec.return_lse))
+            weights.append(sum(m.len_q * m.len_k for m in members))
+        schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
+        if lse_full is not None:
+            lse.copy_(lse_full)
         return AttnOutput(out, lse if spec.return_lse else None, _State(rng, lse_full))
 
     @classmethod
@@ -190,6 +199,7 @@ class CpuFusedBackend(BackendImpl):
         dk = torch.zeros_like(call.k)
         dv = torch.zeros_like(call.v)
         dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
+        tasks, weights, parts = [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             if seq.k.shape[0] == 0:
@@ -199,13 +209,18 @@ class CpuFusedBackend(BackendImpl):
             args = (spec, call.q[rows], seq.k, seq.v, out[rows], lse[:, rows], grad_out[rows],
                     _slopes(call, seq.index), dq[rows], dk_b, dv_b)
             if fused_for_sequence(spec, seq.len_q, seq.k.shape[0], backward=True):
-                fused.backward_sequence(*args)
+                tasks.append(functools.partial(fused.backward_sequence, *args))
             else:
-                blocked.backward_sequence(*args, generator)
+                tasks.append(functools.partial(blocked.backward_sequence, *args, generator))
+            weights.append(seq.len_q * seq.k.shape[0])
+            parts.append((seq.key_rows, dk_b, dv_b))
+        schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
+        # Accumulated here, in order: sequences may share cache blocks (prefix caching).
+        for key_rows, dk_b, dv_b in parts:
             if spec.paged:
-                dk_flat.index_add_(0, seq.key_rows, dk_b)
-                dv_flat.index_add_(0, seq.key_rows, dv_b)
+                dk_flat.index_add_(0, key_rows, dk_b)
+                dv_flat.index_add_(0, key_rows, dv_b)
             else:
-                dk[seq.key_rows] += dk_b
-                dv[seq.key_rows] += dv_b
+                dk[key_rows] += dk_b
+                dv[key_rows] += dv_b
         return dq, dk, dv

@@ -10,8 +10,8 @@ Every contender's output (and gradients, for forward+backward rows) is checked a
 
 Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the call; CPU time
 spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
-threads leave free, above 10% of the machine marks the round disturbed, and it is repeated (up to a limit; how many were
-repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
+threads leave free, above 10% of the machine marks the round disturbed, and the round is repeated
+(up to a limit; how many were repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
 (/proc/self/clear_refs resets the peak; glibc is told to return large blocks to the OS at once).
 
 Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2] [--threads N]

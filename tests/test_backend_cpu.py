@@ -445,3 +445,24 @@ def test_many_short_sequences_run_as_padded_groups(dtype, opts, monkeypatch):
     lowp = _math_same_dtype(q, k, v, q_lens, k_lens, opts, None) if dtype == torch.bfloat16 else None
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
     assert_close_lse(lse, ref_lse)
+
+
+def test_split_across_threads_matches_one_thread_bitwise():
+    """Sequences run on two threads, each single-threaded: same numbers as one thread, any order."""
+    from jagged_sdpa.backends.cpu import schedule
+    assert schedule.split_in_two([5, 1, 1, 3, 2]) == ([0, 1], [2, 3, 4])  # 6 and 6
+    lengths = [40, 33, 70, 12, 55, 64]
+    x = torch.randn(sum(lengths), 4, 16, requires_grad=True)
+    cu = cu_of(lengths)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, backend=CPU)
+            (grad,) = torch.autograd.grad(out.sum(), x)
+            results.append((out, grad))
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -451,7 +451,7 @@ def test_split_across_threads_matches_one_thread_bitwise():
     """Sequences run on two threads, each single-threaded: same numbers as one thread, any order."""
     from jagged_sdpa.backends.cpu import schedule
     assert schedule.split_in_two([5, 1, 1, 3, 2]) == ([0, 1], [2, 3, 4])  # 6 and 6
-    lengths = [40, 33, 70, 12, 55, 64]
+    lengths = [40, 33, 70, 12, 55, 64]  # every sequence under schedule.MAX_PAIRS: split
     x = torch.randn(sum(lengths), 4, 16, requires_grad=True)
     cu = cu_of(lengths)
     threads = torch.get_num_threads()

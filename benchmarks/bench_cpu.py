@@ -12,7 +12,8 @@ Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the
 spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
 threads leave free, above 10% of the machine marks the round disturbed, and the round is repeated
 (up to a limit; how many were repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
-(/proc/self/clear_refs resets the peak; glibc is told to return large blocks to the OS at once).
+(/proc/self/clear_refs resets the peak; glibc is told to return large blocks to the OS at once,
+after all timings, because that makes every large allocation page-fault).
 
 Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2] [--threads N]
 """
@@ -242,9 +243,11 @@ class Row:
     errors: dict
     repeated: int
     rounds: int
+    slow: set
 
 
-def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int, skip_slow_s: float) -> Row:
+def build(w: Workload):
+    """Inputs and every contender's closure for one workload (None where it cannot run)."""
     q, k, v, cu_q, cu_k = make_tensors(w, requires_grad=w.backward)
     grad = torch.randn(q.shape[0], w.heads, w.head_dim, generator=torch.Generator().manual_seed(1)).to(w.dtype)
     fns = {}
@@ -253,6 +256,11 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         if f is not None and w.backward:
             f = with_backward(f, grad, (q, k, v))
         fns[name] = f
+    return fns, (q, k, v)
+
+
+def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int, skip_slow_s: float) -> Row:
+    fns, (q, k, v) = build(w)
 
     # Agreement (outputs, and dq/dk/dv for backward rows) and calibration.
     ref_out = fns["ours"]()
@@ -289,8 +297,13 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         for name, s in round_samples.items():
             samples[name].append(s.seconds)
     medians = {n: statistics.median(s) for n, s in samples.items()}
-    memory = {n: peak_extra_bytes(fns[n]) for n in active if n not in slow}
-    return Row(w, medians, memory, errors, repeated, rounds)
+    return Row(w, medians, {}, errors, repeated, rounds, slow)
+
+
+def measure_memory(row: Row) -> None:
+    """Peak extra memory of each contender (slow ones skipped), into ``row.memory``."""
+    fns, _ = build(row.workload)
+    row.memory = {n: peak_extra_bytes(f) for n, f in fns.items() if f is not None and n not in row.slow}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,10 +381,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    libc = ctypes.CDLL("libc.so.6") if platform.system() == "Linux" else None
-    if libc is not None:
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: freed large blocks leave RSS at once
-
     rounds, min_sample, retries = (3, 0.03, 1) if args.quick else (7, 0.1, 4)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     with open("/proc/loadavg") as f:
@@ -388,6 +397,13 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"  {_label(w)}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.medians.items())
               + f"  (ms; repeated {row.repeated})", flush=True)
+    # Memory last: fixing glibc's mmap threshold makes freed large blocks leave RSS at once (so the
+    # peak is measurable) but turns every large allocation into fresh page faults, which would
+    # distort the timings above (2.5x on our bf16 path), so it is never set while timing.
+    if platform.system() == "Linux":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    for row in rows:
+        measure_memory(row)
     tiny = None
     if not only or "tiny" in only:
         with torch.no_grad():

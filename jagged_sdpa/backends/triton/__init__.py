@@ -62,6 +62,12 @@ def _import_reason() -> Optional[Reason]:
     return None
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether triton can be found, without importing it (cached: a file-system search)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _kernels():
     fwd = importlib.import_module(_FWD_MODULE)
     bwd = importlib.import_module("jagged_sdpa.backends.triton.bwd")
@@ -83,7 +89,7 @@ class TritonBackend(BackendImpl):
     def is_available(cls) -> Optional[Reason]:
         if "triton" not in sys.modules and interpret_setting() != "1" and not torch.cuda.is_available():
             # Importing triton here would make this CPU-only process compiled for good: look only.
-            if importlib.util.find_spec("triton") is None:
+            if not _triton_installed():
                 return "triton is not importable: no module named 'triton'"
             return None
         return _import_reason()

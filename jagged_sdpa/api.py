@@ -15,7 +15,7 @@ from jagged_sdpa import layout
 from jagged_sdpa._autograd import run
 from jagged_sdpa.backends import IMPLS, Backend
 from jagged_sdpa.checks import inputs
-from jagged_sdpa.selection import Explanation, choose, select, to_backend
+from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 
@@ -390,7 +390,7 @@ def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
     call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                         causal_alignment, window_size, softcap, alibi_slopes, backend)
-    return _with_notes(select(call.spec, forced), notes)
+    return with_notes(select(call.spec, forced), notes)
 
 
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
@@ -399,11 +399,5 @@ def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
-    return _with_notes(select(call.spec, forced), notes)
+    return with_notes(select(call.spec, forced), notes)
 
-
-def _with_notes(explanation: Explanation, notes) -> Explanation:
-    if not notes:
-        return explanation
-    return Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen,
-                       tuple(notes) + explanation.notes)

@@ -7,6 +7,7 @@ in the order, even after one is chosen, because the explain table and the DEBUG 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -88,12 +89,16 @@ def select(spec: AttnSpec, forced: Optional[Backend] = None) -> Explanation:
     return Explanation(spec, order, reasons, chosen, tuple(notes))
 
 
+def with_notes(explanation: Explanation, notes) -> Explanation:
+    """``explanation`` with the call's layout notes put before the chosen backend's plan notes."""
+    if not notes:
+        return explanation
+    return dataclasses.replace(explanation, notes=tuple(notes) + explanation.notes)
+
+
 def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = ()) -> Explanation:
     """``select`` plus the DEBUG log line, raising ``NoBackendError`` when nothing is eligible."""
-    explanation = select(spec, forced)
-    if notes:
-        explanation = Explanation(explanation.spec, explanation.order, explanation.reasons, explanation.chosen,
-                                  tuple(notes) + explanation.notes)
+    explanation = with_notes(select(spec, forced), notes)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("jagged_sdpa selection\n%s", explanation)
     if explanation.chosen is None:

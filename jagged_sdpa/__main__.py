@@ -6,10 +6,12 @@ Argument parsing and printing only; every decision is made by the public API.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
 import sys
 import time
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -254,8 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_torch_notices() -> None:
+    """NJT construction makes torch log prototype/fx notices that say nothing about the demo's
+    result; the CLI (never the library) silences them."""
+    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_torch_notices()
     return args.func(args)
 
 

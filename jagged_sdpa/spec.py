@@ -122,6 +122,12 @@ class PackedCall:
     def replace(self, **changes) -> "PackedCall":
         return dataclasses.replace(self, **changes)
 
+    def slopes_of(self, b: int) -> Optional[Tensor]:
+        """ALiBi slopes (Hq,) of sequence b, from either accepted shape, or None."""
+        if self.alibi_slopes is None:
+            return None
+        return self.alibi_slopes if self.alibi_slopes.dim() == 1 else self.alibi_slopes[b]
+
     def key_ranges_host(self) -> list[tuple[int, int]]:
         """(start, length) of every sequence's keys; packed keys only (not paged)."""
         cu = self.cu_k_host

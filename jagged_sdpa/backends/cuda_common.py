@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,14 @@ def missing_argument_reason(feature: str, op: str, argument: str) -> Optional[st
     if argument in op_arguments(op):
         return None
     return f"{feature} needs aten.{op}({argument}=...), absent in torch {torch.__version__} - upgrade torch"
+
+
+def missing_argument_reasons(needed) -> Iterator[str]:
+    """For each (wanted, op, argument, feature) that is wanted, the reason when this torch's op
+    lacks the argument (ops gained windows, seqused_k, ALiBi and block_table over releases)."""
+    for wanted, op, argument, feature in needed:
+        if wanted and (why := missing_argument_reason(feature, op, argument)) is not None:
+            yield why
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -130,9 +130,7 @@ class EfficientBackend(BackendImpl):
             (window is not None and spec.needs_grad, BACKWARD_OP, "window_size", "window_size backward"),
             (spec.seqused_k, FORWARD_OP, "seqlen_k", "seqused_k"),
         )
-        for wanted, op, argument, feature in needed:
-            if wanted and (why := cc.missing_argument_reason(feature, op, argument)) is not None:
-                yield why
+        yield from cc.missing_argument_reasons(needed)
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:

@@ -160,9 +160,7 @@ class FlashVarlenBackend(BackendImpl):
             (spec.alibi is not None, FORWARD_OP, "alibi_slopes", "alibi_slopes"),
             (spec.paged, FORWARD_OP, "block_table", "paged kv cache"),
         )
-        for wanted, op, argument, feature in needed:
-            if wanted and (why := cc.missing_argument_reason(feature, op, argument)) is not None:
-                yield why
+        yield from cc.missing_argument_reasons(needed)
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:

@@ -109,11 +109,6 @@ def sequence_keys(call: PackedCall):
             yield call.k[start:start + length], call.v[start:start + length]
 
 
-def slopes_for(call: PackedCall, b: int):
-    if call.alibi_slopes is None:
-        return None
-    return call.alibi_slopes if call.alibi_slopes.dim() == 1 else call.alibi_slopes[b]
-
 
 class MathBackend(BackendImpl):
     backend = Backend.MATH
@@ -133,7 +128,7 @@ class MathBackend(BackendImpl):
         ):
             if len_q == 0:
                 continue
-            out_b, lse_b = attend_one(call.q[q_start:q_start + len_q], k_b, v_b, spec, slopes_for(call, b))
+            out_b, lse_b = attend_one(call.q[q_start:q_start + len_q], k_b, v_b, spec, call.slopes_of(b))
             outs.append(out_b)
             lses.append(lse_b)
         if not outs:

@@ -97,11 +97,6 @@ def _sequences(call: PackedCall) -> Iterator[_Seq]:
         yield _Seq(b, q_start, len_q, call.k[rows], call.v[rows], rows)
 
 
-def _slopes(call: PackedCall, b: int):
-    if call.alibi_slopes is None:
-        return None
-    return call.alibi_slopes if call.alibi_slopes.dim() == 1 else call.alibi_slopes[b]
-
 
 class CpuFusedBackend(BackendImpl):
     backend = Backend.CPU_FUSED
@@ -160,7 +155,7 @@ class CpuFusedBackend(BackendImpl):
                 if lse_full is not None:
                     lse_full[:, rows] = float("-inf")
                 continue
-            q_b, slopes = q[rows], _slopes(call, seq.index)
+            q_b, slopes = q[rows], call.slopes_of(seq.index)
             if fused_for_sequence(spec, seq.len_q, len_k):
                 tasks.append(functools.partial(
                     fused.forward_sequence, spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
@@ -207,7 +202,7 @@ class CpuFusedBackend(BackendImpl):
             dk_b = torch.empty_like(seq.k)
             dv_b = torch.empty_like(seq.v)
             args = (spec, call.q[rows], seq.k, seq.v, out[rows], lse[:, rows], grad_out[rows],
-                    _slopes(call, seq.index), dq[rows], dk_b, dv_b)
+                    call.slopes_of(seq.index), dq[rows], dk_b, dv_b)
             if fused_for_sequence(spec, seq.len_q, seq.k.shape[0], backward=True):
                 tasks.append(functools.partial(fused.backward_sequence, *args))
             else:

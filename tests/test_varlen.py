@@ -168,3 +168,23 @@ def test_dropout_reproducible_and_unbiased():
     outs = torch.stack([jagged_sdpa.varlen_attention(q, k, ones, cu, cu, dropout_p=0.3) for _ in range(20)])
     assert abs(outs.mean().item() - 1.0) < 0.05
     assert (outs - 1).abs().max() > 0.1
+
+
+ODD_LAYOUTS = {
+    "last-dim-stride-2": lambda: (torch.randn(13, 4, 32)[:, :, ::2], torch.randn(16, 2, 32)[:, :, ::2],
+                                  torch.randn(16, 2, 32)[:, :, ::2]),
+    "heads-major-storage": lambda: (torch.randn(4, 13, 16).transpose(0, 1), torch.randn(2, 16, 16).transpose(0, 1),
+                                    torch.randn(2, 16, 16).transpose(0, 1)),
+    "stride-0-kv-heads": lambda: (torch.randn(13, 4, 16), torch.randn(16, 1, 16).expand(16, 2, 16),
+                                  torch.randn(16, 1, 16).expand(16, 2, 16)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ODD_LAYOUTS, ids=list(ODD_LAYOUTS))
+def test_odd_strides_through_automatic_selection(layout, dtype):
+    q, k, v = (t.to(dtype) for t in ODD_LAYOUTS[layout]())
+    cu_q, cu_k = cu_of([3, 0, 9, 1]), cu_of([5, 2, 9, 0])
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    ref, _ = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+    assert_close_packed(out, ref, cu_seqlens=cu_q)

@@ -279,7 +279,6 @@ def dense_check(plan: StepPlan, stack: PagedAttentionStack, layer_inputs, outs) 
     """Largest difference between the step's last layer and dense causal SDPA run per request."""
     q_all, _, _ = layer_inputs[-1]
     k_cache, v_cache = stack.k_caches[-1], stack.v_caches[-1]
-    bs = k_cache.shape[1]
     worst, start = 0.0, 0
     group = q_all.shape[1] // k_cache.shape[2]
     for req, n, total in zip(plan.requests, plan.new_tokens, plan.total_after):

@@ -6,7 +6,7 @@ Argument normalisation and the order of operations live here; no backend-specifi
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor

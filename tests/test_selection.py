@@ -152,7 +152,6 @@ def test_explain_table_snapshot():
 
 
 def test_no_backend_error_lists_every_backend():
-    spec = cpu_spec()
     with jagged_sdpa.use_backends(Backend.FLASH_VARLEN, Backend.EFFICIENT):
         with pytest.raises(NoBackendError) as info:
             jagged_sdpa.varlen_attention(*small_call())
@@ -160,7 +159,6 @@ def test_no_backend_error_lists_every_backend():
     assert "flash_varlen" in message and "efficient" in message
     assert set(info.value.explanation.reasons) == {Backend.FLASH_VARLEN, Backend.EFFICIENT}
     assert all(info.value.explanation.reasons.values())
-    del spec
 
 
 def test_debug_log_names_choice_and_reasons(caplog):

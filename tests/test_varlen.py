@@ -6,15 +6,13 @@ automatically is held to the same reference.
 
 from __future__ import annotations
 
-import itertools
-import math
 
 import pytest
 import torch
 
 import jagged_sdpa
 from jagged_sdpa import Backend
-from cases import LENGTHS, case_id, cu_of, in_nan_buffer, packed
+from cases import LENGTHS, cu_of, in_nan_buffer, packed
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
+from jagged_sdpa.backends import positions
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
@@ -29,22 +30,9 @@ def position_bias_and_mask(spec: AttnSpec, len_q: int, len_k: int, device, slope
     need_mask = spec.causal or spec.has_window
     if not need_mask and slopes is None:
         return None, None
-    shift = len_k - len_q if spec.alignment == "bottom_right" else 0
-    i = torch.arange(len_q, device=device).unsqueeze(1) + shift
-    j = torch.arange(len_k, device=device).unsqueeze(0)
-    keep = None
-    if need_mask:
-        keep = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
-        left, right = spec.window
-        if spec.causal:
-            keep &= j <= i
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
-    bias = None
-    if slopes is not None:
-        bias = -slopes.reshape(-1, 1, 1) * (i - j).abs().to(slopes.dtype)
+    pos, j = positions.aligned_positions(0, len_q, 0, len_k, positions.shift_of(spec, len_q, len_k), device)
+    keep = positions.keep_mask(spec, pos, j) if need_mask else None
+    bias = None if slopes is None else positions.alibi_bias(slopes, pos, j, slopes.dtype)
     return keep, bias
 
 

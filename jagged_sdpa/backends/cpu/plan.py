@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa.backends import positions
 from jagged_sdpa.spec import AttnSpec
 
 
@@ -47,8 +48,7 @@ def _row_bounds(spec: AttnSpec, shift: int, len_k: int, i: int) -> tuple[int, in
     return max(0, min(lo, len_k)), max(0, hi)
 
 
-def shift_of(spec: AttnSpec, len_q: int, len_k: int) -> int:
-    return len_k - len_q if spec.alignment == "bottom_right" else 0
+shift_of = positions.shift_of
 
 
 def blocks(spec: AttnSpec, len_q: int, len_k: int, block_rows: int) -> Iterator[Block]:
@@ -71,28 +71,18 @@ def blocks(spec: AttnSpec, len_q: int, len_k: int, block_rows: int) -> Iterator[
         yield Block(r0, r1, lo, hi, exact)
 
 
+def _block_positions(shift: int, block: Block, device):
+    return positions.aligned_positions(block.row_lo, block.row_hi, block.key_lo, block.key_hi, shift, device)
+
+
 def keep_mask(spec: AttnSpec, shift: int, block: Block, device) -> Tensor:
     """Boolean (rows, keys) of the block: True where the row may attend the key."""
-    pos = torch.arange(block.row_lo + shift, block.row_hi + shift, device=device).unsqueeze(1)
-    j = torch.arange(block.key_lo, block.key_hi, device=device).unsqueeze(0)
-    left, right = spec.window
-    keep = torch.ones(pos.shape[0], j.shape[1], dtype=torch.bool, device=device)
-    if spec.causal:
-        keep &= j <= pos
-    if left >= 0:
-        keep &= j >= pos - left
-    if right >= 0:
-        keep &= j <= pos + right
-    return keep
+    return positions.keep_mask(spec, *_block_positions(shift, block, device))
 
 
 def alibi_bias(slopes: Tensor, shift: int, block: Block, dtype: torch.dtype) -> Tensor:
     """-slope * |i' - j| for the block: (Hq, rows, keys) in ``dtype``."""
-    pos = torch.arange(block.row_lo + shift, block.row_hi + shift, device=slopes.device).unsqueeze(1)
-    j = torch.arange(block.key_lo, block.key_hi, device=slopes.device).unsqueeze(0)
-    exact = torch.float64 if dtype == torch.float64 else torch.float32
-    dist = (pos - j).abs().to(exact)
-    return (-slopes.to(exact).reshape(-1, 1, 1) * dist).to(dtype)
+    return positions.alibi_bias(slopes, *_block_positions(shift, block, slopes.device), dtype)
 
 
 def empty_rows(spec: AttnSpec, shift: int, len_k: int, block: Block) -> Optional[list[int]]:

@@ -1,0 +1,45 @@
+"""The position rules of API.md 5b, written once for every torch-op backend (MATH, CPU_FUSED).
+
+A query row's aligned position is i' = i (top_left) or i + Lk - Lq (bottom_right). Causal keeps
+keys j <= i'; a window keeps i' - left <= j <= i' + right (-1 unbounded); ALiBi adds
+-slope * |i' - j|. Callers pass the rows and keys they work on (a whole sequence or one block).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa.spec import AttnSpec
+
+
+def shift_of(spec: AttnSpec, len_q: int, len_k: int) -> int:
+    """i' - i for a sequence with len_q queries and len_k keys."""
+    return len_k - len_q if spec.alignment == "bottom_right" else 0
+
+
+def aligned_positions(row_lo: int, row_hi: int, key_lo: int, key_hi: int, shift: int, device):
+    """Aligned query positions (rows, 1) and key positions (1, keys)."""
+    pos = torch.arange(row_lo + shift, row_hi + shift, device=device).unsqueeze(1)
+    j = torch.arange(key_lo, key_hi, device=device).unsqueeze(0)
+    return pos, j
+
+
+def keep_mask(spec: AttnSpec, pos: Tensor, j: Tensor) -> Tensor:
+    """Boolean (rows, keys): True where the row may attend the key (causal and window)."""
+    left, right = spec.window
+    keep = torch.ones(pos.shape[0], j.shape[1], dtype=torch.bool, device=pos.device)
+    if spec.causal:
+        keep &= j <= pos
+    if left >= 0:
+        keep &= j >= pos - left
+    if right >= 0:
+        keep &= j <= pos + right
+    return keep
+
+
+def alibi_bias(slopes: Tensor, pos: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
+    """-slope * |i' - j| as (Hq, rows, keys) in ``dtype``, computed in float32 (float64 for it)."""
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    dist = (pos - j).abs().to(exact)
+    return (-slopes.to(exact).reshape(-1, 1, 1) * dist).to(dtype)

@@ -54,8 +54,8 @@ def read_host(*tensors: Tensor) -> list[list[int]]:
 def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int]) -> SeqlenStats:
     """Validate host-read cumulative lengths and return their max and whether any is empty.
 
-    ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then trusted
-    and emptiness assumed possible). Contents must start at 0, never decrease and end at
+    ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then taken as
+    the max, emptiness is assumed possible, and ``assert_cu_on_device`` queues the same checks). Contents must start at 0, never decrease and end at
     ``total``, and ``given_max`` may not be smaller than the real longest sequence: ValueError
     otherwise, because a kernel must never see such offsets.
     """

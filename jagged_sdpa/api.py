@@ -46,20 +46,21 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
                   causal_alignment, window_size, softcap, alibi_slopes, backend):
     """Validate an sdpa call and build its PackedCall; returns (call, forced, notes)."""
     inputs.validate_attn_mask(attn_mask)
-    inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
+    size_q, size_k, size_v = inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
     inputs.validate_bool("is_causal", is_causal)
     forced = _forced(backend)
     alignment = inputs.validate_alignment(causal_alignment)
     window = inputs.validate_window(window_size)
     cap = inputs.validate_softcap(softcap, zero_means_off=False)
     p = inputs.validate_dropout(dropout_p)
-    batch, heads_q, _, head_dim = query.shape
+    batch, heads_q, _, head_dim = size_q
     sm_scale = inputs.validate_scale("scale", scale, head_dim)
     alibi = inputs.validate_alibi(alibi_slopes, heads_q, batch, query.device)
 
     notes = []
     kv_dense = not key.is_nested
-    # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all).
+    # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all);
+    # a tensor shared by several arguments (self-attention) is read once.
     njts = {"query": query}
     if not kv_dense:
         njts["key"] = key
@@ -67,33 +68,40 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             njts["value"] = value
     tensors, slots = [], {}
     for name, njt in njts.items():
-        parts = [njt.offsets()] + ([njt.lengths()] if njt.lengths() is not None else [])
-        slots[name] = (len(tensors), len(parts))
-        tensors += parts
+        parts = (njt.offsets(),) if njt.lengths() is None else (njt.offsets(), njt.lengths())
+        slot = []
+        for part in parts:
+            at = next((i for i, t in enumerate(tensors) if t is part), None)
+            if at is None:
+                at = len(tensors)
+                tensors.append(part)
+            slot.append(at)
+        slots[name] = slot
     given_q = layout.njt_cached_max_seqlen(query)
-    given_k = key.shape[2] if kv_dense else layout.njt_cached_max_seqlen(key)
-    has_holes = any(n == 2 for _, n in slots.values())
+    given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
+    has_holes = any(len(slot) == 2 for slot in slots.values())
     read = has_holes or layout.host_read_needed(query.device, given_q, given_k)
     host = layout.read_host(*tensors) if read else None
 
     def host_of(name):
         if host is None:
             return None, None
-        i, n = slots[name]
-        return host[i], (host[i + 1] if n == 2 else None)
+        slot = slots[name]
+        return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
 
-    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes)
+    cu_of = {}  # int32 cu_seqlens per offsets tensor, for arguments that share one
+    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of)
     if kv_dense:
-        seq_k = key.shape[2]
+        seq_k = size_k[2]
         k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
-        if key.shape[1] > 1:
+        if size_k[1] > 1:
             notes.append("dense key/value copied into packed (B*S, Hkv, D) buffers")
         cu_k = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_k
         stats_k = layout.SeqlenStats(tuple(b * seq_k for b in range(batch + 1)), seq_k, seq_k == 0 and batch > 0)
     else:
-        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes)
+        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of)
         if "value" in njts:
-            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes)
+            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of)
             if stats_v.cu_host is not None and _lengths(stats_v.cu_host) != _lengths(stats_k.cu_host):
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
@@ -111,9 +119,9 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         dtype=query.dtype,
         batch=batch,
         heads_q=heads_q,
-        heads_kv=key.shape[1],
+        heads_kv=size_k[1],
         head_dim=head_dim,
-        head_dim_v=value.shape[-1],
+        head_dim_v=size_v[-1],
         total_q=q_packed.shape[0],
         total_k=k_packed.shape[0],
         max_seqlen_q=stats_q.max_seqlen,
@@ -150,7 +158,7 @@ def _equal_lengths(cu_q_host, cu_k_host) -> bool:
     return cu_q_host is not None and cu_k_host is not None and tuple(cu_q_host) == tuple(cu_k_host)
 
 
-def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes):
+def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
     """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
@@ -158,7 +166,11 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes):
         if offsets_host is None:
             layout.assert_cu_on_device(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
                                        f"{name}'s cached max seqlen")
-        return packed, stats, layout.njt_cu_seqlens(njt)
+        offsets = njt.offsets()
+        cu = cu_of.get(id(offsets))
+        if cu is None:
+            cu = cu_of[id(offsets)] = layout.njt_cu_seqlens(njt)
+        return packed, stats, cu
     # An NJT with holes: each sequence b is values[offsets[b] : offsets[b] + lengths[b]].
     n_values = njt.transpose(1, 2).values().shape[0] if njt.requires_grad else njt._values.shape[1]
     for b, (o, n) in enumerate(zip(offsets_host, lengths_host)):

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa import layout
 from jagged_sdpa.spec import ALIGNMENTS
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -168,49 +169,59 @@ def validate_int32_vector(name: str, t, length: Optional[int], device: torch.dev
 # sdpa
 
 
-def validate_njt(name: str, x) -> None:
-    validate_tensor(name, x)
-    if not x.is_nested or x.layout != torch.jagged:
-        kind = "a strided nested tensor" if x.is_nested else "a dense tensor"
-        raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged, got {kind}")
-    if x.dim() != 4 or x._ragged_idx != 2:
+def validate_njt(name: str, x) -> tuple:
+    """Check that ``x`` is a (B, H, j, D) jagged NJT; returns its sizes (read once, cheaply)."""
+    if type(x) is not layout.NJT_CLASS:  # the NJT class is always jagged; anything else: full checks
+        validate_tensor(name, x)
+        if not x.is_nested or x.layout != torch.jagged:
+            kind = "a strided nested tensor" if x.is_nested else "a dense tensor"
+            raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged, got {kind}")
+    size = layout.tensor_size(x)
+    if len(size) != 4 or x._ragged_idx != 2:
         raise ValueError(
             f"{name} must have the (B, H, j, D) form with the ragged dim at position 2 "
-            f"(the .transpose(1, 2) of a (B, j, H, D) NJT), got shape {tuple(x.shape)}"
+            f"(the .transpose(1, 2) of a (B, j, H, D) NJT), got shape {size}"
         )
+    return size
 
 
-def validate_sdpa_tensors(query, key, value, enable_gqa) -> None:
-    """Kinds, layouts, dtypes, devices and shapes of sdpa's query/key/value."""
-    validate_njt("query", query)
+def validate_sdpa_tensors(query, key, value, enable_gqa) -> tuple[tuple, tuple, tuple]:
+    """Kinds, layouts, dtypes, devices and shapes of sdpa's query/key/value; returns their sizes.
+
+    Sizes are read once per tensor (``layout.tensor_size``): an NJT's ``.shape`` costs a Python
+    dispatch each time, and this runs on every call.
+    """
+    size_q = validate_njt("query", query)
     validate_tensor("key", key)
     validate_tensor("value", value)
     validate_bool("enable_gqa", enable_gqa)
     if key.is_nested != value.is_nested:
         raise TypeError("key and value must both be jagged NJTs or both dense tensors")
     if key.is_nested:
-        validate_njt("key", key)
-        validate_njt("value", value)
+        size_k = validate_njt("key", key)
+        size_v = validate_njt("value", value)
     else:
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 4:
-                raise ValueError(f"dense {name} must be 4-D (B, Hkv, S, D), got shape {tuple(t.shape)}")
-        if key.shape[2] != value.shape[2]:
-            raise ValueError(f"dense key and value must have the same length S, got {key.shape[2]} and {value.shape[2]}")
+        size_k, size_v = tuple(key.shape), tuple(value.shape)
+        for name, size in (("key", size_k), ("value", size_v)):
+            if len(size) != 4:
+                raise ValueError(f"dense {name} must be 4-D (B, Hkv, S, D), got shape {size}")
+        if size_k[2] != size_v[2]:
+            raise ValueError(f"dense key and value must have the same length S, got {size_k[2]} and {size_v[2]}")
     validate_float_dtypes(("query", "key", "value"), (query, key, value))
     validate_same_device(("query", "key", "value"), (query, key, value))
-    batch = query.shape[0]
-    for name, t in (("key", key), ("value", value)):
-        if t.shape[0] != batch:
-            raise ValueError(f"{name} batch size {t.shape[0]} does not match query's {batch}")
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(f"key has {key.shape[1]} heads but value has {value.shape[1]}")
-    validate_heads(query.shape[1], key.shape[1], gqa_allowed=enable_gqa)
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query head dim {query.shape[-1]} does not match key head dim {key.shape[-1]}")
-    for name, t in (("query", query), ("value", value)):
-        if t.shape[-1] < 1:
-            raise ValueError(f"{name} head dim must be >= 1, got {t.shape[-1]}")
+    batch = size_q[0]
+    for name, size in (("key", size_k), ("value", size_v)):
+        if size[0] != batch:
+            raise ValueError(f"{name} batch size {size[0]} does not match query's {batch}")
+    if size_k[1] != size_v[1]:
+        raise ValueError(f"key has {size_k[1]} heads but value has {size_v[1]}")
+    validate_heads(size_q[1], size_k[1], gqa_allowed=enable_gqa)
+    if size_q[-1] != size_k[-1]:
+        raise ValueError(f"query head dim {size_q[-1]} does not match key head dim {size_k[-1]}")
+    for name, size in (("query", size_q), ("value", size_v)):
+        if size[-1] < 1:
+            raise ValueError(f"{name} head dim must be >= 1, got {size[-1]}")
+    return size_q, size_k, size_v
 
 
 # ----------------------------------------------------------------------------------------------

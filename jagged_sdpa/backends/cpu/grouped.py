@@ -1,15 +1,18 @@
-"""Engine 3 (forward only): many short sequences padded into a few groups, one matmul pair each.
+"""Engine 3 (forward only): many short sequences padded into a few groups, a few ops per group.
 
 Per-sequence work on short sequences is dominated by per-call costs (a dozen small ops each),
 and on two or more threads small ops leave cores idle. Sequences of similar length are padded
 into one (n, Hq, Lq_max, Lk_max) batch; padded keys are masked, padded query rows computed and
 dropped. Only the plain fast form is taken here (no softcap, ALiBi or dropout, no row that sees
-no key, packed keys), so the results equal the per-sequence blocked engine's.
+no key, packed keys). A group runs as one call of PyTorch's fused CPU kernel with an additive
+mask (~7 ops a group: gathers, kernel, scatters), or, where that kernel cannot take it (Dv != D,
+or a torch without it), as a bmm/softmax/bmm pair (~35 ops).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -68,6 +71,130 @@ def _padded_rows(starts: Tensor, lengths: Tensor, width: int) -> tuple[Tensor, T
 def forward_group(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
                   lse: Tensor, need_lse: bool) -> None:
     """Attention of ``members`` (packed q/k/v rows) into ``out``/``lse`` at their packed rows."""
+    if spec.head_dim_v == spec.head_dim and fused_kernel_works():
+        _forward_group_fused(spec, q, k, v, members, out, lse, need_lse)
+    else:
+        _forward_group_bmm(spec, q, k, v, members, out, lse, need_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused-kernel form
+
+
+class _Layout(NamedTuple):
+    """Index tensors and mask of one group geometry: a pure function of the host-read lengths."""
+
+    rows_q: Tensor            # (n * width_q,) packed query row of each padded row
+    rows_k: Tensor            # (n * width_k,)
+    src: Tensor               # padded rows (flat) that are real queries, in packed order
+    dst: Tensor               # their packed rows
+    mask: Optional[Tensor]    # (n, 1, width_q, width_k) additive, or None when nothing is masked
+    width_q: int
+    width_k: int
+
+
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 256
+
+
+def _layout(spec: AttnSpec, members: tuple[Member, ...]) -> _Layout:
+    key = (members, spec.causal, spec.alignment, spec.window, spec.dtype)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = _build_layout(spec, members)
+    return found
+
+
+def _build_layout(spec: AttnSpec, members: tuple[Member, ...]) -> _Layout:
+    n = len(members)
+    meta = torch.tensor(members, dtype=torch.long)
+    len_q, len_k = meta[:, 1], meta[:, 3]
+    width_q, width_k = max(m.len_q for m in members), max(m.len_k for m in members)
+    rows_q, valid_q = _padded_rows(meta[:, 0], len_q, width_q)
+    rows_k, valid_k = _padded_rows(meta[:, 2], len_k, width_k)
+    src = valid_q.flatten().nonzero().flatten()
+    dst = rows_q.flatten()[src]
+    keep = valid_k.view(n, 1, width_k).expand(n, width_q, width_k)
+    if spec.causal or spec.has_window:
+        # Padded query rows (dropped later) see every real key, so no row is fully masked.
+        keep = keep & (_position_keep(spec, len_q, len_k, width_q, width_k) | ~valid_q.view(n, width_q, 1))
+    mask = None
+    if not bool(keep.all()):
+        mask = torch.zeros(n, 1, width_q, width_k, dtype=spec.dtype)
+        mask.masked_fill_(~keep.unsqueeze(1), float("-inf"))
+    return _Layout(rows_q.flatten(), rows_k.flatten(), src, dst, mask, width_q, width_k)
+
+
+def _position_keep(spec: AttnSpec, len_q: Tensor, len_k: Tensor, width_q: int, width_k: int) -> Tensor:
+    """(n, width_q, width_k) causal/window keep-mask at the aligned positions of each member."""
+    n = len_q.shape[0]
+    shift = (len_k - len_q) if spec.alignment == "bottom_right" else torch.zeros_like(len_q)
+    pos = torch.arange(width_q).view(1, width_q, 1) + shift.view(n, 1, 1)
+    j = torch.arange(width_k).view(1, 1, width_k)
+    keep = torch.ones(n, width_q, width_k, dtype=torch.bool)
+    left, right = spec.window
+    if spec.causal:
+        keep = keep & (j <= pos)
+    if left >= 0:
+        keep = keep & (j >= pos - left)
+    if right >= 0:
+        keep = keep & (j <= pos + right)
+    return keep
+
+
+def _fused_kernel():
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@functools.cache
+def fused_kernel_works() -> bool:
+    """Whether this torch's fused CPU kernel takes an additive mask and GQA heads and returns the
+    natural-log lse: checked once per process against explicit math, else the bmm form runs."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, 3, 8, generator=gen, dtype=torch.float64)
+        k = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
+        v = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
+        mask = torch.zeros(2, 1, 3, 5, dtype=torch.float64)
+        mask[0, :, :, 3:] = float("-inf")
+        out, lse = _fused_kernel()(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
+        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5 + mask
+        ref_lse = s.logsumexp(-1)
+        ref_out = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
+        return bool(torch.allclose(out, ref_out, atol=1e-9) and torch.allclose(lse, ref_lse, atol=1e-9))
+    except Exception:  # missing op, or a signature or behaviour of another torch: use bmm
+        return False
+
+
+def _gather(x: Tensor, rows: Tensor, n: int, width: int) -> Tensor:
+    """(n, H, width, D) view of the padded rows of packed (total, H, D) ``x`` (one copy)."""
+    return x.index_select(0, rows).view(n, width, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def _forward_group_fused(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
+                         lse: Tensor, need_lse: bool) -> None:
+    n = len(members)
+    lay = _layout(spec, tuple(members))
+    qp = _gather(q, lay.rows_q, n, lay.width_q)
+    kp = _gather(k, lay.rows_k, n, lay.width_k)
+    vp = _gather(v, lay.rows_k, n, lay.width_k)
+    o, group_lse = _fused_kernel()(qp, kp, vp, 0.0, False, attn_mask=lay.mask, scale=spec.scale)
+    # (n, Hq, width_q, .) -> padded rows first; a view for the kernel's (n, width_q, Hq, .) layout.
+    o = o.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q, -1)
+    out.index_copy_(0, lay.dst, o.index_select(0, lay.src).to(out.dtype))
+    if need_lse:
+        rows_lse = group_lse.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q).index_select(0, lay.src)
+        lse.index_copy_(1, lay.dst, rows_lse.t().to(lse.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# bmm form
+
+
+def _forward_group_bmm(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
+                       lse: Tensor, need_lse: bool) -> None:
     n = len(members)
     hq, hkv = spec.heads_q, spec.heads_kv
     group = hq // hkv

@@ -420,7 +420,7 @@ def test_engine_choice():
     assert not cpu_backend.uses_fused_kernel(spec.replace(softcap=1.0))
     assert not cpu_backend.uses_fused_kernel(spec.replace(dropout_p=0.1))
     assert not cpu_backend.uses_fused_kernel(spec.replace(head_dim_v=4))
-    assert not cpu_backend.fused_for_sequence(spec, 1, 4096)  # decode rows: blocked matmuls
+    assert not cpu_backend.fused_for_sequence(spec, 1, 4096)  # few query rows: never the fused kernel
     assert not cpu_backend.fused_for_sequence(spec, 100, 100)  # small work: blocked matmuls
     assert cpu_backend.fused_for_sequence(spec, 300, 300)
 
@@ -466,3 +466,101 @@ def test_split_across_threads_matches_one_thread_bitwise():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# decode rows (one query row, forward only): elementwise passes over key chunks
+
+DECODE_K_LENS = [7, 1, 37, 130, 20, 3]
+
+
+@pytest.fixture(params=["one_chunk", "many_chunks"])
+def decode_chunks(request, monkeypatch):
+    """Record decode-engine rows; with many_chunks, a chunk holds a few keys only."""
+    from jagged_sdpa.backends.cpu import decode
+    if request.param == "many_chunks":
+        monkeypatch.setattr(decode, "CHUNK_ELEMENTS", 4 * 64)
+    rows = []
+    original = decode.forward_row
+
+    def recording(spec, q_scaled, k, *args):
+        rows.append(k.shape[0])
+        return original(spec, q_scaled, k, *args)
+    monkeypatch.setattr(decode, "forward_row", recording)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_decode_rows_match_reference(name, dtype, decode_chunks):
+    opts = OPTIONS[name]
+    q_lens = [1] * len(DECODE_K_LENS)
+    hq, hkv = 4, 2
+    q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, 16, 16, dtype)
+    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), hq)
+    out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)
+    assert decode_chunks == DECODE_K_LENS  # every row took the decode engine
+    ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)
+    lowp = _math_same_dtype(q, k, v, q_lens, DECODE_K_LENS, opts, slopes) if dtype in (torch.float16, torch.bfloat16) else None
+    assert out.dtype == dtype
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("gqa", [(4, 1), (6, 2), (3, 3)], ids=["mqa", "gqa3", "mha"])
+@pytest.mark.parametrize("dims", [(16, 16), (40, 24), (24, 40)], ids=["d16", "dv24", "dv40"])
+def test_decode_rows_gqa_and_value_dims(gqa, dims, decode_chunks):
+    hq, hkv = gqa
+    q_lens = [1] * len(DECODE_K_LENS)
+    q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, *dims, torch.float32)
+    out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
+    assert len(decode_chunks) == len(DECODE_K_LENS)
+    ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+
+
+def test_decode_rows_mixed_with_prefill_and_strided_nan_buffers(decode_chunks):
+    """Decode rows beside longer sequences and empty ones; the packed buffers sit inside
+    NaN-filled storage, so any read past a row's keys shows."""
+    q_lens, k_lens = [1, 9, 1, 0, 1, 30], [12, 9, 0, 4, 50, 30]
+    q, k, v = _inputs(q_lens, k_lens, 4, 2, 16, 16, torch.float32)
+    qn, kn, vn = (in_nan_buffer(t) for t in (q, k, v))
+    out, lse = _run(qn, kn, vn, q_lens, k_lens, {"causal": True}, None)
+    assert decode_chunks == [12, 50]
+    ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, {"causal": True}, None)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+    assert torch.equal(out[1 + 9], torch.zeros_like(out[10]))  # a row with no keys
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_decode_rows_through_sdpa_njt(alignment, decode_chunks):
+    """One-query NJT sequences, causal in both alignments (top-left: each row sees key 0 only)."""
+    lengths_q, lengths_k = [1, 1, 1], [9, 1, 40]
+    (q, q_leaf), (k, k_leaf), (v, v_leaf) = (_njt(lengths_q, 4, 16), _njt(lengths_k, 2, 16), _njt(lengths_k, 2, 16))
+    out = jagged_sdpa.sdpa(q, k, v, is_causal=True, enable_gqa=True, causal_alignment=alignment,
+                           window_size=(7, -1), backend="cpu_fused")
+    assert decode_chunks == lengths_k
+    ref, _ = attention_reference(*(t.values() for t in (q_leaf, k_leaf, v_leaf)), cu_of(lengths_q),
+                                 cu_of(lengths_k), causal=True, alignment=alignment, window=(7, -1))
+    assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(lengths_q))
+
+
+def test_decode_engine_is_forward_only():
+    """With grad or dropout, one-row sequences keep the blocked engine (its backward and its
+    dropout order): and the gradient through them is right."""
+    from jagged_sdpa.backends.cpu import decode
+    spec = jagged_sdpa.explain(torch.randn(2, 2, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8),
+                               cu_of([1, 1]), cu_of([4, 5])).spec
+    assert decode.eligible(spec, 1) and not decode.eligible(spec, 2)
+    assert not decode.eligible(spec.replace(needs_grad=True), 1)
+    assert not decode.eligible(spec.replace(dropout_p=0.1), 1)
+    q_lens = [1] * len(DECODE_K_LENS)
+    q, k, v = _inputs(q_lens, DECODE_K_LENS, 4, 2, 16, 16, torch.float64, requires_grad=True)
+    out, _ = _run(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref = _reference_grads(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None, grad)
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        torch.testing.assert_close(got, want)

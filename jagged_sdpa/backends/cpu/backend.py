@@ -2,7 +2,8 @@
 
 Per call it picks one engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or blocked
 matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the fused
-kernel cannot take). Both walk each sequence in blocks of query rows that see only their visible
+kernel cannot take). Without grad, decode rows (one query row) take ``decode.py`` and many short
+sequences are padded into groups (``grouped.py``). Both walk each sequence in blocks of query rows that see only their visible
 keys. The backward is our own (``native_autograd = False``): the fused kernel's backward, or the
 blocked recomputation, per sequence; ``state`` carries the dropout RNG state and, for float64,
 the lse at full precision.
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.cpu import blocked, fused, grouped, schedule
+from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, schedule
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -141,10 +142,13 @@ class CpuFusedBackend(BackendImpl):
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
         rng = torch.get_rng_state() if spec.dropout_p and spec.needs_grad else None
-        short, tasks, weights = [], [], []
+        short, tasks, weights, decode_rows = [], [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             len_k = seq.k.shape[0]
+            if len_k and decode.eligible(spec, seq.len_q):
+                decode_rows.append(seq)
+                continue
             if len_k and not fused_for_sequence(spec, seq.len_q, len_k) and grouped.eligible(spec, seq.len_q, len_k) \
                     and seq.len_q * len_k <= GROUPED_PAIRS and len_k <= GROUPED_KEYS and lse_full is None:
                 short.append(grouped.Member(seq.q_start, seq.len_q, seq.key_rows.start, len_k))
@@ -175,6 +179,15 @@ class CpuFusedBackend(BackendImpl):
                 tasks.append(functools.partial(grouped.forward_group, spec, q, call.k, call.v, members, out, lse,
                                                spec.return_lse))
             weights.append(sum(m.len_q * m.len_k for m in members))
+        if decode_rows:
+            # Elementwise passes over long key ranges: intra-op threads, one row after another.
+            work = decode.workspace(spec, max(seq.k.shape[0] for seq in decode_rows))
+            q_scaled = decode.scaled_queries(spec, q)
+            lse_rows = lse if lse_full is None else lse_full
+            for seq in decode_rows:
+                i = seq.q_start
+                decode.forward_row(spec, q_scaled[i], seq.k, seq.v, call.slopes_of(seq.index), out[i],
+                                   lse_rows[:, i], spec.return_lse, work)
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         if lse_full is not None:
             lse.copy_(lse_full)

@@ -51,6 +51,11 @@ def _row_bounds(spec: AttnSpec, shift: int, len_k: int, i: int) -> tuple[int, in
 shift_of = positions.shift_of
 
 
+def row_keys(spec: AttnSpec, len_q: int, len_k: int, i: int) -> tuple[int, int]:
+    """Visible keys [lo, hi) of query row i of a sequence (hi <= lo: it sees none)."""
+    return _row_bounds(spec, shift_of(spec, len_q, len_k), len_k, i)
+
+
 def blocks(spec: AttnSpec, len_q: int, len_k: int, block_rows: int) -> Iterator[Block]:
     """Split a sequence's query rows into blocks with their visible key ranges.
 

@@ -1,7 +1,8 @@
 """Backend priority, ``use_backends`` (a ContextVar), ``select``, ``Explanation`` and the log line.
 
-Selection sees no tensor data: it works on an ``AttnSpec``. Reasons are computed for every backend
-in the order, even after one is chosen, because the explain table and the DEBUG log list them all.
+Selection sees no tensor data: it works on an ``AttnSpec``. ``select`` computes reasons for every
+backend in the order, even after one is chosen, because the explain table, the DEBUG log and
+``NoBackendError`` list them all; a call that logs nothing stops at the first eligible one.
 """
 
 from __future__ import annotations
@@ -96,8 +97,18 @@ def with_notes(explanation: Explanation, notes) -> Explanation:
     return dataclasses.replace(explanation, notes=tuple(notes) + explanation.notes)
 
 
-def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = ()) -> Explanation:
-    """``select`` plus the DEBUG log line, raising ``NoBackendError`` when nothing is eligible."""
+def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = ()) -> Backend:
+    """The backend a call runs (``select``'s choice), with the DEBUG log line; raises
+    ``NoBackendError`` when nothing is eligible.
+
+    Without DEBUG logging only the backends up to the chosen one are asked for reasons (the
+    first eligible one wins either way): the others' reasons feed only the log line, ``explain``
+    and the error, and each of those computes them all. This keeps selection off the per-call cost.
+    """
+    if not log.isEnabledFor(logging.DEBUG):
+        for backend in (forced,) if forced is not None else current_order():
+            if not IMPLS[backend].reasons(spec):
+                return backend
     explanation = with_notes(select(spec, forced), notes)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("jagged_sdpa selection\n%s", explanation)
@@ -108,4 +119,4 @@ def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = (
             else "no backend can take this call"
         )
         raise NoBackendError(explanation, header)
-    return explanation
+    return explanation.chosen

@@ -89,7 +89,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         slot = slots[name]
         return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
 
-    cu_of = {}  # int32 cu_seqlens per offsets tensor, for arguments that share one
+    cu_of = {}  # int32 cu_seqlens and validated stats per offsets, for arguments that share them
     q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of)
     if kv_dense:
         seq_k = size_k[2]
@@ -162,7 +162,11 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
     """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
-        stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max)
+        key = (id(offsets_host), packed.shape[0], given_max)  # offsets shared with an argument before
+        stats = cu_of.get(key) if offsets_host is not None else None
+        if stats is None:
+            stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max)
+            cu_of[key] = stats
         if offsets_host is None:
             layout.assert_cu_on_device(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
                                        f"{name}'s cached max seqlen")
@@ -225,7 +229,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     with torch._C.DisableTorchFunctionSubclass():
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
-    chosen = choose(call.spec, forced, notes).chosen
+    chosen = choose(call.spec, forced, notes)
     result = run(IMPLS[chosen], call)
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(result.out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
@@ -276,7 +280,10 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         block_size = 0
         # With seqused_k, max_seqlen_k bounds the used keys, not the cu_seqlens_k segments.
         max_cu_k = max_k if seqused_k is None else (k.shape[0] if host is None else None)
-        stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k)
+        if host is not None and host[1] is host[0] and k.shape[0] == q.shape[0] and max_cu_k == max_q:
+            stats_k = stats_q  # self-attention: the same cu_seqlens, read once, already validated
+        else:
+            stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k)
         cu_k_host = stats_k.cu_host
         if host is None:
             layout.assert_cu_on_device("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
@@ -360,7 +367,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
-    chosen = choose(call.spec, forced, notes).chosen
+    chosen = choose(call.spec, forced, notes)
     result = run(IMPLS[chosen], call)
     return (result.out, result.lse) if return_lse else result.out
 

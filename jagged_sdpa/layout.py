@@ -42,19 +42,30 @@ def host_read_needed(device: torch.device, *given_max: Optional[int]) -> bool:
 def read_host(*tensors: Tensor) -> list[list[int]]:
     """The only device-to-host read of lengths in the package: one transfer for all ``tensors``.
 
-    Tests count calls to it to prove that a call makes at most one read, or none.
+    A tensor passed twice (self-attention: the same cu_seqlens for q and k) is read once and its
+    list returned for both. CPU tensors are read one by one (no transfer to batch; a ``cat``
+    would cost more than the reads). Tests count calls to it to prove that a call makes at most
+    one read, or none.
     """
-    if not tensors:
-        return []
     if len(tensors) == 1:
-        flat = tensors[0].reshape(-1).tolist()
-    else:
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()
-    out, at = [], 0
+        return [tensors[0].reshape(-1).tolist()]
+    unique = []
     for t in tensors:
-        out.append(flat[at:at + t.numel()])
-        at += t.numel()
-    return out
+        if not any(t is u for u in unique):
+            unique.append(t)
+    if not unique:
+        return []
+    if unique[0].device.type == "cpu" or len(unique) == 1:
+        lists = [t.reshape(-1).tolist() for t in unique]
+    else:
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in unique]).tolist()
+        lists, at = [], 0
+        for t in unique:
+            lists.append(flat[at:at + t.numel()])
+            at += t.numel()
+    if len(unique) == len(tensors):
+        return lists
+    return [lists[next(i for i, u in enumerate(unique) if u is t)] for t in tensors]
 
 
 def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int]) -> SeqlenStats:
@@ -260,10 +271,10 @@ def row_stride_align(*tensors: Tensor) -> int:
     acc = 256
     for t in tensors:
         size = t.element_size()
-        for value in (t.data_ptr() if t.device.type != "meta" else 0, *(s * size for s in t.stride()[:-1])):
-            if value:
-                acc = min(acc, value & -value)
-    return acc
+        acc |= t.data_ptr() if t.device.type != "meta" else 0
+        for s in t.stride()[:-1]:
+            acc |= s * size
+    return acc & -acc
 
 
 def last_dim_contiguous(*tensors: Tensor) -> bool:

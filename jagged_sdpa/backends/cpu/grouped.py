@@ -91,6 +91,7 @@ class _Layout(NamedTuple):
     mask: Optional[Tensor]    # (n, 1, width_q, width_k) additive, or None when nothing is masked
     width_q: int
     width_k: int
+    all_rows: bool            # dst is 0, 1, ..., len(dst) - 1
 
 
 _LAYOUTS: dict = {}
@@ -116,6 +117,8 @@ def _build_layout(spec: AttnSpec, members: tuple[Member, ...]) -> _Layout:
     rows_k, valid_k = _padded_rows(meta[:, 2], len_k, width_k)
     src = valid_q.flatten().nonzero().flatten()
     dst = rows_q.flatten()[src]
+    dst, order = dst.sort()  # packed order: a group holding the whole call is written in one op
+    src = src[order]
     keep = valid_k.view(n, 1, width_k).expand(n, width_q, width_k)
     if spec.causal or spec.has_window:
         # Padded query rows (dropped later) see every real key, so no row is fully masked.
@@ -124,7 +127,8 @@ def _build_layout(spec: AttnSpec, members: tuple[Member, ...]) -> _Layout:
     if not bool(keep.all()):
         mask = torch.zeros(n, 1, width_q, width_k, dtype=spec.dtype)
         mask.masked_fill_(~keep.unsqueeze(1), float("-inf"))
-    return _Layout(rows_q.flatten(), rows_k.flatten(), src, dst, mask, width_q, width_k)
+    all_rows = dst.tolist() == list(range(dst.shape[0]))
+    return _Layout(rows_q.flatten(), rows_k.flatten(), src, dst, mask, width_q, width_k, all_rows)
 
 
 def _position_keep(spec: AttnSpec, len_q: Tensor, len_k: Tensor, width_q: int, width_k: int) -> Tensor:
@@ -183,7 +187,10 @@ def _forward_group_fused(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, member
     o, group_lse = _fused_kernel()(qp, kp, vp, 0.0, False, attn_mask=lay.mask, scale=spec.scale)
     # (n, Hq, width_q, .) -> padded rows first; a view for the kernel's (n, width_q, Hq, .) layout.
     o = o.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q, -1)
-    out.index_copy_(0, lay.dst, o.index_select(0, lay.src).to(out.dtype))
+    if lay.all_rows and out.shape[0] == lay.src.shape[0] and o.dtype == out.dtype and out.is_contiguous():
+        torch.index_select(o, 0, lay.src, out=out)  # the group is the whole call: written in place
+    else:
+        out.index_copy_(0, lay.dst, o.index_select(0, lay.src).to(out.dtype))
     if need_lse:
         rows_lse = group_lse.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q).index_select(0, lay.src)
         lse.index_copy_(1, lay.dst, rows_lse.t().to(lse.dtype))

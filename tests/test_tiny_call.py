@@ -191,3 +191,15 @@ def test_group_layout_depends_on_mask_options():
     assert torch.isinf(causal.mask).sum() > torch.isinf(plain.mask).sum()
     equal = grouped._layout(spec, (grouped.Member(0, 3, 0, 3), grouped.Member(3, 3, 3, 3)))
     assert equal.mask is None  # nothing to mask: the kernel runs unmasked
+
+
+def test_group_layout_is_in_packed_order():
+    """Members come sorted by length; the layout maps them back to packed rows, so a group that
+    is the whole call is written with one op, and one that is not goes row by row."""
+    q = njt([3, 2], 1, 4)
+    spec = jagged_sdpa.explain(q, q, q).spec
+    whole = grouped._layout(spec, (grouped.Member(3, 2, 3, 2), grouped.Member(0, 3, 0, 3)))
+    assert whole.all_rows and whole.dst.tolist() == [0, 1, 2, 3, 4]
+    assert whole.src.tolist() == [3, 4, 5, 0, 1]  # padded width 3: member 1's rows come first
+    part = grouped._layout(spec, (grouped.Member(5, 2, 5, 2), grouped.Member(0, 3, 0, 3)))
+    assert not part.all_rows and part.dst.tolist() == [0, 1, 2, 5, 6]

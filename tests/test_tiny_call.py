@@ -103,10 +103,10 @@ def test_output_needing_grad_takes_the_differentiable_path():
 
 
 def test_fused_kernel_form_is_available_on_this_torch():
-    assert grouped.fused_kernel_works()
+    assert grouped.fused_kernel_works() and grouped.fused_kernel_gqa()
 
 
-@pytest.mark.parametrize("form", ["fused", "bmm"])
+@pytest.mark.parametrize("form", ["fused", "fused_no_gqa", "bmm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
                          ids=["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window_size": (3, 1)}, {"causal": True, "window_size": (2, 0)}],
@@ -122,6 +122,8 @@ def test_groups_match_reference(form, dtype, opts, monkeypatch):
     monkeypatch.setattr(grouped, "forward_group", recording)
     if form == "bmm":
         monkeypatch.setattr(grouped, "fused_kernel_works", lambda: False)
+    if form == "fused_no_gqa":  # a torch whose kernel refuses GQA: K/V expanded to Hq heads
+        monkeypatch.setattr(grouped, "fused_kernel_gqa", lambda: False)
     q_lens, k_lens = [6, 8, 10, 7, 5], [9, 8, 10, 7, 6]
     q = torch.randn(sum(q_lens), 4, 16).to(dtype)
     k = torch.randn(sum(k_lens), 2, 16).to(dtype)

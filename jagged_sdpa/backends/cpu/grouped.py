@@ -152,24 +152,41 @@ def _fused_kernel():
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-@functools.cache
 def fused_kernel_works() -> bool:
-    """Whether this torch's fused CPU kernel takes an additive mask and GQA heads and returns the
-    natural-log lse: checked once per process against explicit math, else the bmm form runs."""
-    try:
+    """Whether this torch's fused CPU kernel takes an additive mask and returns the natural-log
+    lse (checked once per process against explicit math); else the bmm form runs."""
+    return _kernel_support()[0]
+
+
+def fused_kernel_gqa() -> bool:
+    """Whether the kernel also takes fewer key/value heads than query heads (else K/V are expanded)."""
+    return _kernel_support()[1]
+
+
+@functools.cache
+def _kernel_support() -> tuple[bool, bool]:
+    def agrees(heads_kv: int) -> bool:
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(2, 4, 3, 8, generator=gen, dtype=torch.float64)
-        k = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
-        v = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
+        k = torch.randn(2, heads_kv, 5, 8, generator=gen, dtype=torch.float64)
+        v = torch.randn(2, heads_kv, 5, 8, generator=gen, dtype=torch.float64)
         mask = torch.zeros(2, 1, 3, 5, dtype=torch.float64)
         mask[0, :, :, 3:] = float("-inf")
         out, lse = _fused_kernel()(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
-        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5 + mask
-        ref_lse = s.logsumexp(-1)
-        ref_out = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
-        return bool(torch.allclose(out, ref_out, atol=1e-9) and torch.allclose(lse, ref_lse, atol=1e-9))
+        k, v = k.repeat_interleave(4 // heads_kv, 1), v.repeat_interleave(4 // heads_kv, 1)
+        s = q @ k.transpose(-1, -2) * 0.5 + mask
+        return bool(torch.allclose(out, torch.softmax(s, -1) @ v, atol=1e-9)
+                    and torch.allclose(lse, s.logsumexp(-1), atol=1e-9))
+
+    try:
+        if not agrees(4):
+            return False, False
     except Exception:  # missing op, or a signature or behaviour of another torch: use bmm
-        return False
+        return False, False
+    try:
+        return True, agrees(2)
+    except Exception:  # GQA refused: expand K/V to the query heads
+        return True, False
 
 
 def _gather(x: Tensor, rows: Tensor, n: int, width: int) -> Tensor:
@@ -184,6 +201,8 @@ def _forward_group_fused(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, member
     qp = _gather(q, lay.rows_q, n, lay.width_q)
     kp = _gather(k, lay.rows_k, n, lay.width_k)
     vp = _gather(v, lay.rows_k, n, lay.width_k)
+    if spec.heads_q != spec.heads_kv and not fused_kernel_gqa():
+        kp, vp = (x.repeat_interleave(spec.gqa_group, 1) for x in (kp, vp))
     o, group_lse = _fused_kernel()(qp, kp, vp, 0.0, False, attn_mask=lay.mask, scale=spec.scale)
     # (n, Hq, width_q, .) -> padded rows first; a view for the kernel's (n, width_q, Hq, .) layout.
     o = o.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q, -1)

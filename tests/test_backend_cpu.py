@@ -44,6 +44,7 @@ def block_size(request, monkeypatch):
     visible-key ranges and per-block masks are exercised on small, fast shapes)."""
     if request.param == "small_blocks":
         monkeypatch.setattr(fused, "BLOCK_ROWS", 8)
+        monkeypatch.setattr(fused, "DIAGONAL_ROWS", 8)
         monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
         monkeypatch.setattr(blocked, "MIN_ROWS", 4)
     return request.param
@@ -371,8 +372,31 @@ def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
 
 
-def test_causal_blocks_skip_masked_keys(monkeypatch):
-    """Causal work is about half the full square: each block multiplies only its visible keys."""
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_runs_as_unmasked_rectangles_and_causal_squares(alignment, monkeypatch):
+    """Plain causal work is about half the full square and builds no mask: each block of rows is
+    one unmasked call over the keys it sees whole plus one is_causal call on its diagonal square."""
+    seen = []
+    original = fused._FWD
+
+    def recording(q, k, v, dropout, is_causal, *args, **kwargs):
+        assert kwargs.get("attn_mask") is None
+        assert not is_causal or q.shape[2] == k.shape[2]
+        seen.append(q.shape[2] * k.shape[2] / (2 if is_causal else 1))
+        return original(q, k, v, dropout, is_causal, *args, **kwargs)
+    monkeypatch.setattr(fused, "_FWD", recording)
+    n, extra = 4 * fused.DIAGONAL_ROWS, 10 if alignment == "bottom_right" else 0
+    q, kv = torch.randn(n, 1, 8, dtype=torch.float64), torch.randn(n + extra, 1, 8, dtype=torch.float64)
+    out = jagged_sdpa.sdpa(*(torch.nested.nested_tensor([t], layout=torch.jagged).transpose(1, 2) for t in (q, kv, kv)),
+                           is_causal=True, causal_alignment=alignment, backend=CPU)
+    assert len(seen) == 2 * 4 - (alignment == "top_left")
+    assert sum(seen) <= 0.52 * n * (n + extra) + n * extra
+    ref, _ = attention_reference(q, kv, kv, cu_of([n]), cu_of([n + extra]), causal=True, alignment=alignment)
+    assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of([n]))
+
+
+def test_windowed_blocks_skip_masked_keys(monkeypatch):
+    """Windows (and ALiBi) keep masked blocks: each block multiplies only its visible keys."""
     seen = []
     original = fused._FWD
 
@@ -383,7 +407,7 @@ def test_causal_blocks_skip_masked_keys(monkeypatch):
     n = 4 * fused.BLOCK_ROWS
     x = torch.randn(n, 1, 8)
     cu = cu_of([n])
-    jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, backend=CPU)
+    jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, window_size=(n, 0), backend=CPU)
     assert len(seen) == 4 and sum(seen) <= 0.65 * n * n
 
 

@@ -132,7 +132,18 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
             s = _raw_scores(spec, qg, kh, block)
             if not block.exact:
                 s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
-            if need_lse or spec.dropout_p:
+            if need_lse and not spec.dropout_p:
+                # Unnormalised probabilities in place, in the matmul dtype; the row sums give
+                # the lse and divide the (rows x Dv) output instead of the (rows x keys) block.
+                # Four passes over the block instead of a float32 softmax, two amax and a cast.
+                row_max = s.amax(dim=-1, keepdim=True)
+                p = s.sub_(row_max).exp_()
+                denom = p.sum(dim=-1, keepdim=True, dtype=stats_dtype(s.dtype))
+                lse[:, rows] = (row_max.to(denom.dtype) + torch.log(denom)).squeeze(-1)
+                o = torch.bmm(p.view(hkv, -1, p.shape[-1]), vg[:, block.key_lo:block.key_hi])
+                out[rows] = _ungrouped(o.to(denom.dtype).div_(denom.view(hkv, -1, 1)), spec.heads_q)
+                continue
+            if spec.dropout_p:
                 p = torch.softmax(s, dim=-1, dtype=stats_dtype(s.dtype))
                 if need_lse:
                     # p's row max is exp(max - lse), accurate to float32 rounding.
@@ -176,6 +187,7 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     # Without softcap or ALiBi, every pass over a block reads the matmul dtype and writes the next
     # operand directly (bf16: four passes over the block instead of eight).
     fast = not spec.softcap and slopes is None
+    softmax_recompute = fast and mm != acc and not plan.may_have_empty_rows(spec, len_q, len_k)
     for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
@@ -184,16 +196,24 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
         keys = slice(block.key_lo, block.key_hi)
         qg = _grouped(q_rows[rows], hkv, mm)
         block_lse = lse[:, rows].unsqueeze(-1)
+        do = grad_out[rows]
         t = None
         if fast:
             s = _raw_scores(spec, qg, kg, block)
             if not block.exact:
                 s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
-            p = torch.sub(s, block_lse).exp_()
+            if softmax_recompute:
+                # A block holds every key its rows see, so P = softmax(S): one pass, computed in
+                # float32 and rounded once to the matmul dtype (bf16 s - lse would round first).
+                p = torch.softmax(s, dim=-1)
+            else:
+                p = s.sub_(block_lse).exp_()
         else:
             s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
             p = torch.exp(s.sub_(block_lse))
-        do = grad_out[rows]
+        delta = (do.to(acc) * out[rows].to(acc)).sum(-1).transpose(0, 1).unsqueeze(-1)
+        if p.dtype != delta.dtype and t is None:
+            delta = delta.to(p.dtype)   # the in-place pass below stays in bf16 (no widening copy)
         dog = _grouped(do, hkv, mm)
         keep = None
         if spec.dropout_p:
@@ -205,11 +225,13 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
         dp = torch.bmm(dog, vg[:, keys].transpose(1, 2)).view(hq, p.shape[1], -1)
         if keep is not None:
             dp = dp * keep / (1.0 - spec.dropout_p)
-        delta = (do.to(acc) * out[rows].to(acc)).sum(-1).transpose(0, 1).unsqueeze(-1)
-        ds = torch.sub(dp, delta)                    # promoted to float32/float64
-        if t is not None:
-            ds.mul_(1.0 - t * t)
-        dsg = torch.mul(ds, p, out=torch.empty(ds.shape, dtype=mm)).view(hkv, -1, ds.shape[-1])
+        if t is None and p.dtype == mm:
+            dsg = dp.sub_(delta).mul_(p).view(hkv, -1, dp.shape[-1])   # two in-place passes
+        else:
+            ds = torch.sub(dp, delta)                    # promoted to float32/float64
+            if t is not None:
+                ds.mul_(1.0 - t * t)
+            dsg = torch.mul(ds, p, out=torch.empty(ds.shape, dtype=mm)).view(hkv, -1, ds.shape[-1])
         dq[rows] = _ungrouped(torch.bmm(dsg, kg[:, keys]).mul_(spec.scale), hq)
         # qg holds q * scale, so this is scale * dS^T q.
         dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg)

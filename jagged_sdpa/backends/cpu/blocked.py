@@ -206,8 +206,10 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
                 # A block holds every key its rows see, so P = softmax(S): one pass, computed in
                 # float32 and rounded once to the matmul dtype (bf16 s - lse would round first).
                 p = torch.softmax(s, dim=-1)
-            else:
+            elif mm == acc:
                 p = s.sub_(block_lse).exp_()
+            else:
+                p = torch.sub(s, block_lse).exp_()   # float32: bf16 (s - lse) would round first
         else:
             s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
             p = torch.exp(s.sub_(block_lse))

@@ -62,7 +62,11 @@ SMALL_PAIRS = 128 * 128
 # Sequences with at most this many (query, key) pairs and keys are padded into groups
 # (``grouped.py``): there per-sequence op overhead outweighs the padding. Longer key ranges are
 # not grouped: decoding reads each key once, and a padded copy would triple that traffic.
-GROUPED_PAIRS = 32 * 32
+# Measured on W2 (64 sequences of 8..128, fp32, 2 threads, median ms): groups up to 32x32 18.3,
+# 48x48 12.2, 64x64 11.9, 96x96 13.3, 128x128 14.9; the loop of dense SDPA calls 12.7. With one
+# thread all are within 5% of the loop; next to a busy single-threaded process 64x64 is 23.7 ms
+# (loop 24.4).
+GROUPED_PAIRS = 64 * 64
 GROUPED_KEYS = 64
 
 

@@ -30,12 +30,21 @@ class _State(NamedTuple):
 
 
 class _Seq(NamedTuple):
+    """One sequence's rows. Its keys are sliced (or, paged, gathered) only when asked for: a
+    sequence padded into a group never needs its own views."""
+
     index: int
     q_start: int
     len_q: int
-    k: Tensor
-    v: Tensor
+    len_k: int
     key_rows: object             # slice into packed k/v, or a LongTensor of flat cache slots (paged)
+    k_src: Tensor                # packed k/v, or the flattened cache (paged)
+    v_src: Tensor
+
+    def kv(self) -> tuple[Tensor, Tensor]:
+        if isinstance(self.key_rows, slice):
+            return self.k_src[self.key_rows], self.v_src[self.key_rows]
+        return self.k_src.index_select(0, self.key_rows), self.v_src.index_select(0, self.key_rows)
 
 
 def uses_fused_kernel(spec: AttnSpec) -> bool:
@@ -92,14 +101,12 @@ def _sequences(call: PackedCall) -> Iterator[_Seq]:
         for b, ((q_start, len_q), length) in enumerate(zip(q_ranges, used)):
             if len_q == 0:
                 continue
-            slots = _paged_slots(call, b, length)
-            yield _Seq(b, q_start, len_q, k_flat.index_select(0, slots), v_flat.index_select(0, slots), slots)
+            yield _Seq(b, q_start, len_q, length, _paged_slots(call, b, length), k_flat, v_flat)
         return
+    k, v = call.k, call.v
     for b, ((q_start, len_q), (k_start, len_k)) in enumerate(zip(q_ranges, call.key_ranges_host())):
-        if len_q == 0:
-            continue
-        rows = slice(k_start, k_start + len_k)
-        yield _Seq(b, q_start, len_q, call.k[rows], call.v[rows], rows)
+        if len_q:
+            yield _Seq(b, q_start, len_q, len_k, slice(k_start, k_start + len_k), k, v)
 
 
 
@@ -149,7 +156,7 @@ class CpuFusedBackend(BackendImpl):
         short, tasks, weights, decode_rows = [], [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
-            len_k = seq.k.shape[0]
+            len_k = seq.len_k
             if len_k and decode.eligible(spec, seq.len_q):
                 decode_rows.append(seq)
                 continue
@@ -164,14 +171,15 @@ class CpuFusedBackend(BackendImpl):
                     lse_full[:, rows] = float("-inf")
                 continue
             q_b, slopes = q[rows], call.slopes_of(seq.index)
+            k_b, v_b = seq.kv()
             if fused_for_sequence(spec, seq.len_q, len_k):
                 tasks.append(functools.partial(
-                    fused.forward_sequence, spec, q_b, seq.k, seq.v, slopes, out[rows], lse[:, rows],
+                    fused.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], lse[:, rows],
                     None if lse_full is None else lse_full[:, rows]))
             else:
                 target = lse[:, rows] if lse_full is None else lse_full[:, rows]
                 tasks.append(functools.partial(
-                    blocked.forward_sequence, spec, q_b, seq.k, seq.v, slopes, out[rows], target, spec.return_lse))
+                    blocked.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], target, spec.return_lse))
             weights.append(seq.len_q * len_k)
         for members in grouped.groups(short, spec.heads_q) if short else ():
             if len(members) == 1:
@@ -185,12 +193,12 @@ class CpuFusedBackend(BackendImpl):
             weights.append(sum(m.len_q * m.len_k for m in members))
         if decode_rows:
             # Elementwise passes over long key ranges: intra-op threads, one row after another.
-            work = decode.workspace(spec, max(seq.k.shape[0] for seq in decode_rows))
+            work = decode.workspace(spec, max(seq.len_k for seq in decode_rows))
             q_scaled = decode.scaled_queries(spec, q)
             lse_rows = lse if lse_full is None else lse_full
             for seq in decode_rows:
                 i = seq.q_start
-                decode.forward_row(spec, q_scaled[i], seq.k, seq.v, call.slopes_of(seq.index), out[i],
+                decode.forward_row(spec, q_scaled[i], *seq.kv(), call.slopes_of(seq.index), out[i],
                                    lse_rows[:, i], spec.return_lse, work)
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         if lse_full is not None:
@@ -214,17 +222,18 @@ class CpuFusedBackend(BackendImpl):
         tasks, weights, parts = [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
-            if seq.k.shape[0] == 0:
+            if seq.len_k == 0:
                 continue
-            dk_b = torch.empty_like(seq.k)
-            dv_b = torch.empty_like(seq.v)
-            args = (spec, call.q[rows], seq.k, seq.v, out[rows], lse[:, rows], grad_out[rows],
+            k_b, v_b = seq.kv()
+            dk_b = torch.empty_like(k_b)
+            dv_b = torch.empty_like(v_b)
+            args = (spec, call.q[rows], k_b, v_b, out[rows], lse[:, rows], grad_out[rows],
                     call.slopes_of(seq.index), dq[rows], dk_b, dv_b)
-            if fused_for_sequence(spec, seq.len_q, seq.k.shape[0], backward=True):
+            if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True):
                 tasks.append(functools.partial(fused.backward_sequence, *args))
             else:
                 tasks.append(functools.partial(blocked.backward_sequence, *args, generator))
-            weights.append(seq.len_q * seq.k.shape[0])
+            weights.append(seq.len_q * seq.len_k)
             parts.append((seq.key_rows, dk_b, dv_b))
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         # Accumulated here, in order: sequences may share cache blocks (prefix caching).

@@ -12,8 +12,8 @@ Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the
 spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
 threads leave free, above 10% of the machine marks the round disturbed, and the round is repeated
 (up to a limit; how many were repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
-(/proc/self/clear_refs resets the peak; glibc is told to return large blocks to the OS at once,
-after all timings, because that makes every large allocation page-fault).
+(/proc/self/clear_refs resets the peak), measured after all timings in a fresh process per
+contender where glibc is told to return large blocks to the OS at once.
 
 Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2] [--threads N]
 """
@@ -302,10 +302,30 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
     return Row(w, medians, {}, errors, repeated, rounds, slow)
 
 
+def _memory_child(w: Workload, name: str, threads: int) -> int:
+    """In a fresh process: one contender's peak extra memory (see ``measure_memory``)."""
+    torch.set_num_threads(threads)
+    if platform.system() == "Linux":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    fns, _ = build(w)
+    return peak_extra_bytes(fns[name])
+
+
 def measure_memory(row: Row) -> None:
-    """Peak extra memory of each contender (slow ones skipped), into ``row.memory``."""
+    """Peak extra memory of each contender (slow ones skipped), into ``row.memory``.
+
+    Each contender runs in a fresh process: in one long-lived process the heap left by earlier
+    rows (arenas of other threads, cached blocks) made the same call read 11.5 MiB or 29.7 MiB
+    depending on which rows ran before it.
+    """
+    import concurrent.futures
+    import multiprocessing
     fns, _ = build(row.workload)
-    row.memory = {n: peak_extra_bytes(f) for n, f in fns.items() if f is not None and n not in row.slow}
+    names = [n for n, f in fns.items() if f is not None and n not in row.slow]
+    row.memory = {}
+    for n in names:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            row.memory[n] = pool.submit(_memory_child, row.workload, n, torch.get_num_threads()).result()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,11 +419,9 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"  {_label(w)}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.medians.items())
               + f"  (ms; repeated {row.repeated})", flush=True)
-    # Memory last: fixing glibc's mmap threshold makes freed large blocks leave RSS at once (so the
-    # peak is measurable) but turns every large allocation into fresh page faults, which would
-    # distort the timings above (2.5x on our bf16 path), so it is never set while timing.
-    if platform.system() == "Linux":
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    # Memory last, each contender in a fresh process: fixing glibc's mmap threshold there makes
+    # freed large blocks leave RSS at once (so the peak is measurable) but turns every large
+    # allocation into fresh page faults, which would distort timings (2.5x on our bf16 path).
     for row in rows:
         measure_memory(row)
     tiny = None

@@ -118,7 +118,8 @@ class CpuFusedBackend(BackendImpl):
         paged=True,
         notes=(
             "fp32/fp64/fp16: PyTorch's fused CPU flash kernel per block of query rows; bf16, softcap "
-            "and dropout: blocked matmuls",
+            "and dropout: blocked matmuls; decode rows (one query, no grad): elementwise passes over "
+            "key chunks; short sequences without grad: padded groups",
         ),
     )
     native_autograd = False
@@ -225,8 +226,11 @@ class CpuFusedBackend(BackendImpl):
             if seq.len_k == 0:
                 continue
             k_b, v_b = seq.kv()
-            dk_b = torch.empty_like(k_b)
-            dv_b = torch.empty_like(v_b)
+            if spec.paged:   # sequences may share cache blocks: accumulated below
+                dk_b, dv_b = torch.empty_like(k_b), torch.empty_like(v_b)
+                parts.append((seq.key_rows, dk_b, dv_b))
+            else:            # packed key ranges are disjoint: written in place
+                dk_b, dv_b = dk[seq.key_rows], dv[seq.key_rows]
             args = (spec, call.q[rows], k_b, v_b, out[rows], lse[:, rows], grad_out[rows],
                     call.slopes_of(seq.index), dq[rows], dk_b, dv_b)
             if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True):
@@ -234,14 +238,9 @@ class CpuFusedBackend(BackendImpl):
             else:
                 tasks.append(functools.partial(blocked.backward_sequence, *args, generator))
             weights.append(seq.len_q * seq.len_k)
-            parts.append((seq.key_rows, dk_b, dv_b))
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         # Accumulated here, in order: sequences may share cache blocks (prefix caching).
         for key_rows, dk_b, dv_b in parts:
-            if spec.paged:
-                dk_flat.index_add_(0, key_rows, dk_b)
-                dv_flat.index_add_(0, key_rows, dv_b)
-            else:
-                dk[key_rows] += dk_b
-                dv[key_rows] += dv_b
+            dk_flat.index_add_(0, key_rows, dk_b)
+            dv_flat.index_add_(0, key_rows, dv_b)
         return dq, dk, dv

@@ -141,11 +141,22 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     group = spec.gqa_group
     shift = plan.shift_of(spec, len_q, len_k)
     kx, vx = _expand_heads(k, group), _expand_heads(v, group)
-    dkx = torch.zeros(kx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
-    dvx = torch.zeros(vx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
     # Rows that see no key have lse -inf; +inf makes the kernel's exp(s - lse) exactly 0 there.
     lse = torch.where(torch.isneginf(lse), float("inf"), lse).to(lse_dtype(q.dtype))
     parts = _diagonal_split(spec, slopes, len_q, len_k)
+    blocks = list(_seq_blocks(spec, len_q, len_k)) if parts is None else []
+    if len(blocks) == 1 and not blocks[0].empty and (blocks[0].key_lo, blocks[0].key_hi) == (0, len_k):
+        # One call sees every key (unmasked): its dK/dV are the answer, no accumulators.
+        block = blocks[0]
+        gq, gk, gv = _BWD(_bhld(grad_out), _bhld(q), _bhld(kx), _bhld(vx), _bhld(out), lse.unsqueeze(0), 0.0,
+                          False, attn_mask=_block_mask(spec, shift, block, slopes, q.dtype, q.device),
+                          scale=spec.scale)
+        dq.copy_(gq[0].transpose(0, 1))
+        dk.copy_(_sum_groups(gk[0].transpose(0, 1), spec))
+        dv.copy_(_sum_groups(gv[0].transpose(0, 1), spec))
+        return
+    dkx = torch.zeros(kx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
+    dvx = torch.zeros(vx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
     if parts is not None:
         # Given the whole row's out and lse, each key set's gradients are independent: the
         # kernel's backward runs on the same unmasked/is_causal pieces as the forward.
@@ -160,7 +171,7 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
                 dkx[exact] += gk[0].transpose(0, 1)
                 dvx[exact] += gv[0].transpose(0, 1)
             dq[rows] = gq[0].transpose(0, 1)
-    for block in _seq_blocks(spec, len_q, len_k) if parts is None else ():
+    for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
             dq[rows] = 0
@@ -174,5 +185,10 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
         dkx[keys] += gk[0].transpose(0, 1)
         dvx[keys] += gv[0].transpose(0, 1)
     if len_k:
-        dk.copy_(dkx.unflatten(1, (spec.heads_kv, group)).sum(2))
-        dv.copy_(dvx.unflatten(1, (spec.heads_kv, group)).sum(2))
+        dk.copy_(_sum_groups(dkx, spec))
+        dv.copy_(_sum_groups(dvx, spec))
+
+
+def _sum_groups(grad: Tensor, spec: AttnSpec) -> Tensor:
+    """(Lk, Hq, D) gradient of the expanded K/V -> (Lk, Hkv, D): sum over each kv head's group."""
+    return grad if spec.gqa_group == 1 else grad.unflatten(1, (spec.heads_kv, spec.gqa_group)).sum(2)

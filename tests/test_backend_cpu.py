@@ -588,3 +588,24 @@ def test_decode_engine_is_forward_only():
     ref = _reference_grads(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None, grad)
     for got, want in zip((q.grad, k.grad, v.grad), ref):
         torch.testing.assert_close(got, want)
+
+
+def test_decode_workspace_is_kept_per_thread_and_dtype_and_grows():
+    import threading
+    from jagged_sdpa.backends.cpu import decode
+    spec = jagged_sdpa.explain(torch.randn(2, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16),
+                               cu_of([1, 1]), cu_of([4, 5])).spec
+    small = decode.workspace(spec, 3)
+    assert small.numel() == 3 * 4 * 16 and small.dtype == torch.float32
+    big = decode.workspace(spec, 50)
+    assert big.numel() == 50 * 4 * 16
+    again = decode.workspace(spec, 3)
+    assert again.data_ptr() == big.data_ptr()  # reused, not reallocated
+    assert decode.workspace(spec.replace(dtype=torch.float64), 3).dtype == torch.float64
+    capped = decode.workspace(spec, 10 ** 7)
+    assert capped.numel() == decode.chunk_keys(spec) * 4 * 16 <= decode.CHUNK_ELEMENTS
+    other = []
+    thread = threading.Thread(target=lambda: other.append(decode.workspace(spec, 3).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != again.data_ptr()  # each thread has its own

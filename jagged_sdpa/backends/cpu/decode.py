@@ -15,6 +15,7 @@ lse is float32-accurate. Dropout stays with the blocked engine, whose backward r
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -40,11 +41,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_WORKSPACES = threading.local()
+
+
 def workspace(spec: AttnSpec, max_keys: int) -> Tensor:
-    """One workspace for every decode row of a call (rows run one after another)."""
+    """The workspace for every decode row of a call (rows run one after another).
+
+    Kept per thread and dtype between calls, grown to the largest size asked for: at most
+    ``CHUNK_ELEMENTS`` elements (or one key's products, if larger), 2 MiB in float32. A decode
+    step then allocates only its outputs, as a loop of dense SDPA calls does.
+    """
     keys = max(1, min(max_keys, chunk_keys(spec)))
-    width = max(spec.head_dim, spec.head_dim_v)
-    return torch.empty(keys * spec.heads_q * width, dtype=compute_dtype(spec.dtype))
+    size = keys * spec.heads_q * max(spec.head_dim, spec.head_dim_v)
+    dtype = compute_dtype(spec.dtype)
+    cache = _WORKSPACES.__dict__
+    work = cache.get(dtype)
+    if work is None or work.numel() < size:
+        work = cache[dtype] = torch.empty(size, dtype=dtype)
+    return work[:size]
 
 
 def chunk_keys(spec: AttnSpec) -> int:

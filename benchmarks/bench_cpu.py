@@ -304,6 +304,8 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
 
 def _memory_child(w: Workload, name: str, threads: int) -> int:
     """In a fresh process: one contender's peak extra memory (see ``measure_memory``)."""
+    from jagged_sdpa.__main__ import _quiet_torch_notices
+    _quiet_torch_notices()  # the parent printed torch's NJT notices once already
     torch.set_num_threads(threads)
     if platform.system() == "Linux":
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

@@ -505,12 +505,12 @@ def decode_chunks(request, monkeypatch):
     if request.param == "many_chunks":
         monkeypatch.setattr(decode, "CHUNK_ELEMENTS", 4 * 64)
     rows = []
-    original = decode.forward_row
+    original = decode.forward_rows
 
-    def recording(spec, q_scaled, k, *args):
-        rows.append(k.shape[0])
-        return original(spec, q_scaled, k, *args)
-    monkeypatch.setattr(decode, "forward_row", recording)
+    def recording(spec, q, row_list, *args):
+        rows.extend(k.shape[0] for _, k, _, _ in row_list)
+        return original(spec, q, row_list, *args)
+    monkeypatch.setattr(decode, "forward_rows", recording)
     return rows
 
 

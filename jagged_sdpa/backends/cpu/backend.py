@@ -193,14 +193,8 @@ class CpuFusedBackend(BackendImpl):
                                                spec.return_lse))
             weights.append(sum(m.len_q * m.len_k for m in members))
         if decode_rows:
-            # Elementwise passes over long key ranges: intra-op threads, one row after another.
-            work = decode.workspace(spec, max(seq.len_k for seq in decode_rows))
-            q_scaled = decode.scaled_queries(spec, q)
-            lse_rows = lse if lse_full is None else lse_full
-            for seq in decode_rows:
-                i = seq.q_start
-                decode.forward_row(spec, q_scaled[i], *seq.kv(), call.slopes_of(seq.index), out[i],
-                                   lse_rows[:, i], spec.return_lse, work)
+            decode.forward_rows(spec, q, [(seq.q_start, *seq.kv(), call.slopes_of(seq.index)) for seq in decode_rows],
+                                out, lse if lse_full is None else lse_full, spec.return_lse)
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         if lse_full is not None:
             lse.copy_(lse_full)

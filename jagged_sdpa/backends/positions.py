@@ -26,9 +26,10 @@ def aligned_positions(row_lo: int, row_hi: int, key_lo: int, key_hi: int, shift:
 
 
 def keep_mask(spec: AttnSpec, pos: Tensor, j: Tensor) -> Tensor:
-    """Boolean (rows, keys): True where the row may attend the key (causal and window)."""
+    """Boolean mask of the broadcast of pos and j (e.g. (rows, 1) and (1, keys) give (rows, keys)):
+    True where the row may attend the key (causal and window)."""
     left, right = spec.window
-    keep = torch.ones(pos.shape[0], j.shape[1], dtype=torch.bool, device=pos.device)
+    keep = torch.ones(torch.broadcast_shapes(pos.shape, j.shape), dtype=torch.bool, device=pos.device)
     if spec.causal:
         keep &= j <= pos
     if left >= 0:

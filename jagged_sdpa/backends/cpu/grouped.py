@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa.backends import positions
 from jagged_sdpa.backends.cpu import blocked, plan
 from jagged_sdpa.spec import AttnSpec
 
@@ -137,15 +138,7 @@ def _position_keep(spec: AttnSpec, len_q: Tensor, len_k: Tensor, width_q: int, w
     shift = (len_k - len_q) if spec.alignment == "bottom_right" else torch.zeros_like(len_q)
     pos = torch.arange(width_q).view(1, width_q, 1) + shift.view(n, 1, 1)
     j = torch.arange(width_k).view(1, 1, width_k)
-    keep = torch.ones(n, width_q, width_k, dtype=torch.bool)
-    left, right = spec.window
-    if spec.causal:
-        keep = keep & (j <= pos)
-    if left >= 0:
-        keep = keep & (j >= pos - left)
-    if right >= 0:
-        keep = keep & (j <= pos + right)
-    return keep
+    return positions.keep_mask(spec, pos, j)
 
 
 def _fused_kernel():
@@ -239,16 +232,7 @@ def _forward_group_bmm(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members:
 
     keep = valid_k.view(n, 1, width_k)
     if spec.causal or spec.has_window:
-        shift = (len_k - len_q) if spec.alignment == "bottom_right" else torch.zeros_like(len_q)
-        pos = torch.arange(width_q).view(1, width_q, 1) + shift.view(n, 1, 1)
-        j = torch.arange(width_k).view(1, 1, width_k)
-        left, right = spec.window
-        if spec.causal:
-            keep = keep & (j <= pos)
-        if left >= 0:
-            keep = keep & (j >= pos - left)
-        if right >= 0:
-            keep = keep & (j <= pos + right)
+        keep = keep & _position_keep(spec, len_q, len_k, width_q, width_k)
     s.masked_fill_(~keep.unsqueeze(1), float("-inf"))
     if need_lse:
         p = torch.softmax(s, dim=-1, dtype=blocked.stats_dtype(s.dtype))

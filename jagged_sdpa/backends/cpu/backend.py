@@ -4,9 +4,9 @@ Per sequence it picks one engine: the fused flash kernel (``fused.py``: fp32/fp6
 matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the fused
 kernel cannot take); both walk a sequence in blocks of query rows that see only their visible
 keys. Without grad, one-query rows take the decode engine (``decode.py``) and short sequences are
-padded into groups (``grouped.py``). The backward is our own (``native_autograd = False``): the fused kernel's backward, or the
-blocked recomputation, per sequence; ``state`` carries the dropout RNG state and, for float64,
-the lse at full precision.
+padded into groups (``grouped.py``). The backward is our own (``native_autograd = False``): the
+fused kernel's backward, or the blocked recomputation, per sequence; ``state`` carries the dropout
+RNG state and, for float64, the lse at full precision.
 """
 
 from __future__ import annotations

@@ -69,8 +69,11 @@ def _times(x: Tensor, factor: Tensor, out: Tensor) -> None:
     torch's mixed-dtype multiply is ~3x slower than a copy plus a same-dtype multiply."""
     if x.dtype == out.dtype:
         torch.mul(x, factor, out=out)
+    elif x.shape == out.shape:
+        out.copy_(x).mul_(factor)
     else:
-        out.copy_(x.expand(out.shape)).mul_(factor)
+        # x broadcasts over the GQA group: widen it once, not once per query head.
+        torch.mul(x.to(out.dtype), factor, out=out)
 
 
 def forward_rows(spec: AttnSpec, q: Tensor, rows: list, out: Tensor, lse: Tensor, need_lse: bool) -> None:

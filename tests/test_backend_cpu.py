@@ -531,16 +531,18 @@ def test_decode_rows_match_reference(name, dtype, decode_chunks):
     assert_close_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("gqa", [(4, 1), (6, 2), (3, 3)], ids=["mqa", "gqa3", "mha"])
 @pytest.mark.parametrize("dims", [(16, 16), (40, 24), (24, 40)], ids=["d16", "dv24", "dv40"])
-def test_decode_rows_gqa_and_value_dims(gqa, dims, decode_chunks):
+def test_decode_rows_gqa_and_value_dims(gqa, dims, dtype, decode_chunks):
     hq, hkv = gqa
     q_lens = [1] * len(DECODE_K_LENS)
-    q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, *dims, torch.float32)
+    q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, *dims, dtype)
     out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
     assert len(decode_chunks) == len(DECODE_K_LENS)
     ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
-    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
+    lowp = _math_same_dtype(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None) if dtype == torch.bfloat16 else None
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
     assert_close_lse(lse, ref_lse)
 
 

@@ -128,22 +128,19 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
             lse[:, rows] = float("-inf")
             continue
         qg = _grouped(q_rows[rows], hkv, mm)
+        denom = None  # row sums of unnormalised probabilities: they divide the (rows x Dv) output
         if fast:
             s = _raw_scores(spec, qg, kh, block)
             if not block.exact:
                 s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
             if need_lse and not spec.dropout_p:
-                # Unnormalised probabilities in place, in the matmul dtype; the row sums give
-                # the lse and divide the (rows x Dv) output instead of the (rows x keys) block.
-                # Four passes over the block instead of a float32 softmax, two amax and a cast.
+                # In place, in the matmul dtype: four passes over the block instead of a float32
+                # softmax, two amax and a cast.
                 row_max = s.amax(dim=-1, keepdim=True)
                 p = s.sub_(row_max).exp_()
                 denom = p.sum(dim=-1, keepdim=True, dtype=stats_dtype(s.dtype))
                 lse[:, rows] = (row_max.to(denom.dtype) + torch.log(denom)).squeeze(-1)
-                o = torch.bmm(p.view(hkv, -1, p.shape[-1]), vg[:, block.key_lo:block.key_hi])
-                out[rows] = _ungrouped(o.to(denom.dtype).div_(denom.view(hkv, -1, 1)), spec.heads_q)
-                continue
-            if spec.dropout_p:
+            elif spec.dropout_p:
                 p = torch.softmax(s, dim=-1, dtype=stats_dtype(s.dtype))
                 if need_lse:
                     # p's row max is exp(max - lse), accurate to float32 rounding.
@@ -159,10 +156,12 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
             denom = p.sum(dim=-1, keepdim=True)
             if need_lse:
                 lse[:, rows] = (row_max + torch.log(denom)).squeeze(-1)
-            p /= torch.where(denom > 0, denom, 1.0)
+            denom = torch.where(denom > 0, denom, 1.0)
         if spec.dropout_p:
             p = p * _dropout_keep(p.shape, spec.dropout_p, None, p.device) / (1.0 - spec.dropout_p)
         o = torch.bmm(p.to(mm).view(hkv, -1, p.shape[-1]), vg[:, block.key_lo:block.key_hi])
+        if denom is not None:
+            o = o.to(denom.dtype).div_(denom.view(hkv, -1, 1))
         out[rows] = _ungrouped(o, spec.heads_q)
 
 
@@ -182,8 +181,7 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     q_rows = _query_rows(spec, q, mm)
     dk_acc = torch.zeros(hkv, len_k, k.shape[-1], dtype=acc, device=q.device)
     dv_acc = torch.zeros(hkv, len_k, v.shape[-1], dtype=acc, device=q.device)
-    # +inf for rows that see no key: P = exp(S - inf) = 0 there.
-    lse = torch.where(torch.isneginf(lse), float("inf"), lse).to(acc)
+    lse = plan.backward_lse(lse, acc)
     # Without softcap or ALiBi, every pass over a block reads the matmul dtype and writes the next
     # operand directly (bf16: four passes over the block instead of eight).
     fast = not spec.softcap and slopes is None
@@ -214,8 +212,11 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
             s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
             p = torch.exp(s.sub_(block_lse))
         delta = (do.to(acc) * out[rows].to(acc)).sum(-1).transpose(0, 1).unsqueeze(-1)
-        if p.dtype != delta.dtype and t is None:
-            delta = delta.to(p.dtype)   # the in-place pass below stays in bf16 (no widening copy)
+        # dS = P * (dP - delta) in place, in the matmul dtype (bf16: no widening copy), unless
+        # softcap's derivative or a float32 P needs the wider form.
+        in_place = t is None and p.dtype == mm
+        if in_place:
+            delta = delta.to(mm)
         dog = _grouped(do, hkv, mm)
         keep = None
         if spec.dropout_p:
@@ -227,8 +228,8 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
         dp = torch.bmm(dog, vg[:, keys].transpose(1, 2)).view(hq, p.shape[1], -1)
         if keep is not None:
             dp = dp * keep / (1.0 - spec.dropout_p)
-        if t is None and p.dtype == mm:
-            dsg = dp.sub_(delta).mul_(p).view(hkv, -1, dp.shape[-1])   # two in-place passes
+        if in_place:
+            dsg = dp.sub_(delta).mul_(p).view(hkv, -1, dp.shape[-1])
         else:
             ds = torch.sub(dp, delta)                    # promoted to float32/float64
             if t is not None:

@@ -4,11 +4,14 @@
 score matrix and runs at ~2/3 of this CPU's fp32 matmul peak. It cannot take softcap or dropout,
 its ``is_causal`` is top-left only, and it computes whole 512-key blocks even where causal masks
 them. So we call it per block of query rows against only the keys that block can see (causal
-then costs about half), and express bottom-right alignment, windows and ALiBi as an additive
-mask of that block. GQA expands K/V once per sequence (the kernel wants equal head counts).
+then costs about half): plain causal as an unmasked call plus an ``is_causal`` call on the
+diagonal square, merged by lse; bottom-right alignment with windows or ALiBi as an additive mask
+of the block. GQA expands K/V once per sequence (the kernel wants equal head counts).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -51,32 +54,46 @@ def _block_mask(spec: AttnSpec, shift: int, block: plan.Block, slopes, dtype, de
     return mask.unsqueeze(0) if mask.dim() == 3 else mask.view(1, 1, *mask.shape)
 
 
-def _seq_blocks(spec: AttnSpec, len_q: int, len_k: int):
-    return plan.blocks(spec, len_q, len_k, BLOCK_ROWS)
-
-
-# Causal rows per diagonal block (see ``_diagonal_split``): measured on W1 causal, 1 thread: 64
-# rows 44.6 ms, 32 rows 46.2, 128 rows 46.2, whole sequences in halves (recursive) 46.3; the
-# 128-row masked blocks 49.3 and the loop of dense causal SDPA calls 55.7.
+# Causal rows per diagonal block (see ``_plan``): measured on W1 causal, 1 thread: 64 rows
+# 44.6 ms, 32 rows 46.2, 128 rows 46.2, whole sequences in halves (recursive) 46.3; the 128-row
+# masked blocks 49.3 and the loop of dense causal SDPA calls 55.7.
 DIAGONAL_ROWS = 64
 
 
-def _diagonal_split(spec: AttnSpec, slopes, len_q: int, len_k: int):
-    """Plain causal attention as masks-free kernel calls: (rows, exact keys, diagonal keys).
+class _Call(NamedTuple):
+    """One kernel call for a block's rows: the keys, the kernel's own top-left ``is_causal`` (on
+    a square), and the block whose additive mask it takes (None: no mask). Masks are built only
+    when the call runs, so a plan holds no tensors."""
 
-    Under causal alone, with Lq <= Lk, rows [r0, r1) see keys [0, r0 + shift) whole and keys
+    keys: slice
+    causal: bool
+    masked: Optional[plan.Block]
+
+    def mask(self, spec: AttnSpec, shift: int, slopes, dtype, device) -> Optional[Tensor]:
+        return None if self.masked is None else _block_mask(spec, shift, self.masked, slopes, dtype, device)
+
+
+def _plan(spec: AttnSpec, slopes, len_q: int, len_k: int) -> list[tuple[plan.Block, list[_Call]]]:
+    """Per block of query rows, the kernel calls that together cover the keys its rows see
+    (none for a block that sees no key); forward and backward walk the same calls.
+
+    Plain causal with Lq <= Lk: rows [r0, r1) see keys [0, r0 + shift) whole and keys
     [r0 + shift, r1 + shift) as a top-left causal square: one unmasked call and one call with
-    the kernel's own ``is_causal``, merged by their lse. No additive mask is built or read, and
-    no masked key is computed beyond the squares' upper triangles. None when it does not apply.
+    the kernel's ``is_causal``, merged by their lse. No mask is built or read, and no masked key
+    is computed beyond the squares' upper triangles. Otherwise one call per block against only
+    its visible keys, with the block's additive mask (bottom-right, windows, ALiBi).
     """
-    if not spec.causal or spec.has_window or slopes is not None or len_q > len_k:
-        return None
-    shift = plan.shift_of(spec, len_q, len_k)
-    parts = []
-    for r0 in range(0, len_q, DIAGONAL_ROWS):
-        r1 = min(len_q, r0 + DIAGONAL_ROWS)
-        parts.append((slice(r0, r1), slice(0, r0 + shift), slice(r0 + shift, r1 + shift)))
-    return parts
+    if spec.causal and not spec.has_window and slopes is None and len_q <= len_k:
+        shift = plan.shift_of(spec, len_q, len_k)
+        blocks = []
+        for r0 in range(0, len_q, DIAGONAL_ROWS):
+            r1 = min(len_q, r0 + DIAGONAL_ROWS)
+            calls = [_Call(slice(0, r0 + shift), False, None)] if r0 + shift > 0 else []
+            calls.append(_Call(slice(r0 + shift, r1 + shift), True, None))
+            blocks.append((plan.Block(r0, r1, 0, r1 + shift, False), calls))
+        return blocks
+    return [(block, [] if block.empty else [_Call(slice(block.key_lo, block.key_hi), False, block)])
+            for block in plan.blocks(spec, len_q, len_k, BLOCK_ROWS)]
 
 
 def _merge(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,19 +104,6 @@ def _merge(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, 
     return torch.addcmul(o_a * w_a, o_b, w_b), lse
 
 
-def _forward_diagonal(spec: AttnSpec, q, kx, vx, parts, out, lse, lse_full) -> None:
-    for rows, exact, diagonal in parts:
-        qb = _bhld(q[rows])
-        o, l = _FWD(qb, _bhld(kx[diagonal]), _bhld(vx[diagonal]), 0.0, True, scale=spec.scale)
-        if exact.stop > 0:
-            o_a, l_a = _FWD(qb, _bhld(kx[exact]), _bhld(vx[exact]), 0.0, False, scale=spec.scale)
-            o, l = _merge(o_a, l_a, o, l)
-        out[rows] = o[0].transpose(0, 1)
-        lse[:, rows] = l[0]
-        if lse_full is not None:
-            lse_full[:, rows] = l[0]
-
-
 def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, out: Tensor, lse: Tensor,
                      lse_full) -> None:
     """One sequence: q (Lq, Hq, D), k/v (Lk, Hkv, D/Dv); writes out (Lq, Hq, Dv) and lse (Hq, Lq)
@@ -107,22 +111,20 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
     len_q, len_k = q.shape[0], k.shape[0]
     shift = plan.shift_of(spec, len_q, len_k)
     kx, vx = _expand_heads(k, spec.gqa_group), _expand_heads(v, spec.gqa_group)
-    parts = _diagonal_split(spec, slopes, len_q, len_k)
-    if parts is not None:
-        _forward_diagonal(spec, q, kx, vx, parts, out, lse, lse_full)
-        return
     check_empty = plan.may_have_empty_rows(spec, len_q, len_k)
-    for block in _seq_blocks(spec, len_q, len_k):
+    for block, calls in _plan(spec, slopes, len_q, len_k):
         rows = slice(block.row_lo, block.row_hi)
-        if block.empty:
+        if not calls:
             out[rows] = 0
             lse[:, rows] = float("-inf")
             if lse_full is not None:
                 lse_full[:, rows] = float("-inf")
             continue
-        keys = slice(block.key_lo, block.key_hi)
-        mask = _block_mask(spec, shift, block, slopes, q.dtype, q.device)
-        o, l = _FWD(_bhld(q[rows]), _bhld(kx[keys]), _bhld(vx[keys]), 0.0, False, attn_mask=mask, scale=spec.scale)
+        qb, o, l = _bhld(q[rows]), None, None
+        for call in calls:
+            o_c, l_c = _FWD(qb, _bhld(kx[call.keys]), _bhld(vx[call.keys]), 0.0, call.causal,
+                            attn_mask=call.mask(spec, shift, slopes, q.dtype, q.device), scale=spec.scale)
+            o, l = (o_c, l_c) if o is None else _merge(o, l, o_c, l_c)
         out[rows] = o[0].transpose(0, 1)
         lse[:, rows] = l[0]
         if lse_full is not None:
@@ -136,55 +138,41 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
 
 
 def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, dk, dv) -> None:
-    """Gradients of one sequence: writes dq (Lq, Hq, D) and dk/dv (Lk, Hkv, D/Dv) (overwritten)."""
+    """Gradients of one sequence: writes dq (Lq, Hq, D) and dk/dv (Lk, Hkv, D/Dv) (overwritten).
+
+    Given each row's final out and lse, the gradients of disjoint key sets are independent, so
+    the kernel's backward runs on the forward's calls one by one.
+    """
     len_q, len_k = q.shape[0], k.shape[0]
-    group = spec.gqa_group
     shift = plan.shift_of(spec, len_q, len_k)
-    kx, vx = _expand_heads(k, group), _expand_heads(v, group)
-    # Rows that see no key have lse -inf; +inf makes the kernel's exp(s - lse) exactly 0 there.
-    lse = torch.where(torch.isneginf(lse), float("inf"), lse).to(lse_dtype(q.dtype))
-    parts = _diagonal_split(spec, slopes, len_q, len_k)
-    blocks = list(_seq_blocks(spec, len_q, len_k)) if parts is None else []
-    if len(blocks) == 1 and not blocks[0].empty and (blocks[0].key_lo, blocks[0].key_hi) == (0, len_k):
-        # One call sees every key (unmasked): its dK/dV are the answer, no accumulators.
-        block = blocks[0]
-        gq, gk, gv = _BWD(_bhld(grad_out), _bhld(q), _bhld(kx), _bhld(vx), _bhld(out), lse.unsqueeze(0), 0.0,
-                          False, attn_mask=_block_mask(spec, shift, block, slopes, q.dtype, q.device),
-                          scale=spec.scale)
-        dq.copy_(gq[0].transpose(0, 1))
-        dk.copy_(_sum_groups(gk[0].transpose(0, 1), spec))
-        dv.copy_(_sum_groups(gv[0].transpose(0, 1), spec))
-        return
-    dkx = torch.zeros(kx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
-    dvx = torch.zeros(vx.shape, dtype=lse_dtype(q.dtype), device=q.device) if len_k else None
-    if parts is not None:
-        # Given the whole row's out and lse, each key set's gradients are independent: the
-        # kernel's backward runs on the same unmasked/is_causal pieces as the forward.
-        for rows, exact, diagonal in parts:
-            g, o, qb, l = _bhld(grad_out[rows]), _bhld(out[rows]), _bhld(q[rows]), lse[:, rows].unsqueeze(0)
-            gq, gk, gv = _BWD(g, qb, _bhld(kx[diagonal]), _bhld(vx[diagonal]), o, l, 0.0, True, scale=spec.scale)
-            dkx[diagonal] += gk[0].transpose(0, 1)
-            dvx[diagonal] += gv[0].transpose(0, 1)
-            if exact.stop > 0:
-                gq_a, gk, gv = _BWD(g, qb, _bhld(kx[exact]), _bhld(vx[exact]), o, l, 0.0, False, scale=spec.scale)
-                gq = gq + gq_a
-                dkx[exact] += gk[0].transpose(0, 1)
-                dvx[exact] += gv[0].transpose(0, 1)
-            dq[rows] = gq[0].transpose(0, 1)
-    for block in blocks:
+    kx, vx = _expand_heads(k, spec.gqa_group), _expand_heads(v, spec.gqa_group)
+    lse = plan.backward_lse(lse, lse_dtype(q.dtype))
+    blocks = _plan(spec, slopes, len_q, len_k)
+    # One call that sees every key: its dK/dV are the answer, no accumulators.
+    direct = sum(len(calls) for _, calls in blocks) == 1 and blocks[0][1][0].keys == slice(0, len_k)
+    dkx = dvx = None
+    if len_k and not direct:
+        dkx = torch.zeros(kx.shape, dtype=lse_dtype(q.dtype), device=q.device)
+        dvx = torch.zeros(vx.shape, dtype=lse_dtype(q.dtype), device=q.device)
+    for block, calls in blocks:
         rows = slice(block.row_lo, block.row_hi)
-        if block.empty:
+        if not calls:
             dq[rows] = 0
             continue
-        keys = slice(block.key_lo, block.key_hi)
-        mask = _block_mask(spec, shift, block, slopes, q.dtype, q.device)
-        g, o = grad_out[rows], out[rows]
-        gq, gk, gv = _BWD(_bhld(g), _bhld(q[rows]), _bhld(kx[keys]), _bhld(vx[keys]), _bhld(o),
-                          lse[:, rows].unsqueeze(0), 0.0, False, attn_mask=mask, scale=spec.scale)
-        dq[rows] = gq[0].transpose(0, 1)
-        dkx[keys] += gk[0].transpose(0, 1)
-        dvx[keys] += gv[0].transpose(0, 1)
-    if len_k:
+        g, qb, o, l = _bhld(grad_out[rows]), _bhld(q[rows]), _bhld(out[rows]), lse[:, rows].unsqueeze(0)
+        dq_rows = None
+        for call in calls:
+            gq, gk, gv = _BWD(g, qb, _bhld(kx[call.keys]), _bhld(vx[call.keys]), o, l, 0.0, call.causal,
+                              attn_mask=call.mask(spec, shift, slopes, q.dtype, q.device), scale=spec.scale)
+            dq_rows = gq if dq_rows is None else dq_rows + gq
+            if direct:
+                dk.copy_(_sum_groups(gk[0].transpose(0, 1), spec))
+                dv.copy_(_sum_groups(gv[0].transpose(0, 1), spec))
+            else:
+                dkx[call.keys] += gk[0].transpose(0, 1)
+                dvx[call.keys] += gv[0].transpose(0, 1)
+        dq[rows] = dq_rows[0].transpose(0, 1)
+    if dkx is not None:
         dk.copy_(_sum_groups(dkx, spec))
         dv.copy_(_sum_groups(dvx, spec))
 

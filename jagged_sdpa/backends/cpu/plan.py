@@ -56,6 +56,12 @@ def row_keys(spec: AttnSpec, len_q: int, len_k: int, i: int) -> tuple[int, int]:
     return _row_bounds(spec, shift_of(spec, len_q, len_k), len_k, i)
 
 
+def backward_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
+    """The forward's lse for a backward that recomputes P = exp(S - lse): rows that see no key
+    have lse -inf, and +inf there makes every recomputed probability exactly 0."""
+    return torch.where(torch.isneginf(lse), float("inf"), lse).to(dtype)
+
+
 def blocks(spec: AttnSpec, len_q: int, len_k: int, block_rows: int) -> Iterator[Block]:
     """Split a sequence's query rows into blocks with their visible key ranges.
 

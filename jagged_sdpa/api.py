@@ -60,7 +60,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     notes = []
     kv_dense = not key.is_nested
     # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all);
-    # a tensor shared by several arguments (self-attention) is read once.
+    # read_host reads a tensor shared by several arguments (self-attention) once.
     njts = {"query": query}
     if not kv_dense:
         njts["key"] = key
@@ -69,14 +69,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     tensors, slots = [], {}
     for name, njt in njts.items():
         parts = (njt.offsets(),) if njt.lengths() is None else (njt.offsets(), njt.lengths())
-        slot = []
-        for part in parts:
-            at = next((i for i, t in enumerate(tensors) if t is part), None)
-            if at is None:
-                at = len(tensors)
-                tensors.append(part)
-            slot.append(at)
-        slots[name] = slot
+        slots[name] = range(len(tensors), len(tensors) + len(parts))
+        tensors += parts
     given_q = layout.njt_cached_max_seqlen(query)
     given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
     has_holes = any(len(slot) == 2 for slot in slots.values())

@@ -198,13 +198,20 @@ def _forward_group_fused(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, member
         kp, vp = (x.repeat_interleave(spec.gqa_group, 1) for x in (kp, vp))
     o, group_lse = _fused_kernel()(qp, kp, vp, 0.0, False, attn_mask=lay.mask, scale=spec.scale)
     # (n, Hq, width_q, .) -> padded rows first; a view for the kernel's (n, width_q, Hq, .) layout.
-    o = o.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q, -1)
+    _write_rows(spec, lay, o.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q, -1),
+                group_lse if need_lse else None, out, lse)
+
+
+def _write_rows(spec: AttnSpec, lay: _Layout, o: Tensor, group_lse: Optional[Tensor], out: Tensor,
+                lse: Tensor) -> None:
+    """Scatter the real rows of padded output o (n * width_q, Hq, Dv) (and of group_lse
+    (n, Hq, width_q), when not None) to their packed rows of out/lse."""
     if lay.all_rows and out.shape[0] == lay.src.shape[0] and o.dtype == out.dtype and out.is_contiguous():
         torch.index_select(o, 0, lay.src, out=out)  # the group is the whole call: written in place
     else:
         out.index_copy_(0, lay.dst, o.index_select(0, lay.src).to(out.dtype))
-    if need_lse:
-        rows_lse = group_lse.transpose(1, 2).reshape(n * lay.width_q, spec.heads_q).index_select(0, lay.src)
+    if group_lse is not None:
+        rows_lse = group_lse.transpose(1, 2).reshape(-1, spec.heads_q).index_select(0, lay.src)
         lse.index_copy_(1, lay.dst, rows_lse.t().to(lse.dtype))
 
 
@@ -218,28 +225,21 @@ def _forward_group_bmm(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members:
     hq, hkv = spec.heads_q, spec.heads_kv
     group = hq // hkv
     mm = blocked.matmul_dtype(spec)
-    meta = torch.tensor(members, dtype=torch.long)
-    len_q, len_k = meta[:, 1], meta[:, 3]
-    width_q, width_k = max(m.len_q for m in members), max(m.len_k for m in members)
-    rows_q, valid_q = _padded_rows(meta[:, 0], len_q, width_q)
-    rows_k, valid_k = _padded_rows(meta[:, 2], len_k, width_k)
-
-    qs = blocked._query_rows(spec, q.index_select(0, rows_q.flatten()), mm)
+    lay = _layout(spec, tuple(members))
+    width_q, width_k = lay.width_q, lay.width_k
+    qs = blocked._query_rows(spec, q.index_select(0, lay.rows_q), mm)
     qg = qs.view(n, width_q, hkv, group, -1).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * width_q, -1)
-    kg = k.index_select(0, rows_k.flatten()).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
-    vg = v.index_select(0, rows_k.flatten()).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
+    kg = k.index_select(0, lay.rows_k).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
+    vg = v.index_select(0, lay.rows_k).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
     s = torch.bmm(qg, kg.transpose(1, 2)).view(n, hq, width_q, width_k)
-
-    keep = valid_k.view(n, 1, width_k)
-    if spec.causal or spec.has_window:
-        keep = keep & _position_keep(spec, len_q, len_k, width_q, width_k)
-    s.masked_fill_(~keep.unsqueeze(1), float("-inf"))
+    if lay.mask is not None:
+        s.add_(lay.mask)
+    group_lse = None
     if need_lse:
         p = torch.softmax(s, dim=-1, dtype=blocked.stats_dtype(s.dtype))
         group_lse = s.amax(dim=-1).to(p.dtype) - torch.log(p.amax(dim=-1))       # (n, Hq, width_q)
-        lse[:, rows_q[valid_q]] = group_lse.transpose(0, 1)[:, valid_q].to(lse.dtype)
     else:
         p = torch.softmax(s, dim=-1)
     o = torch.bmm(p.to(mm).view(n * hkv, group * width_q, width_k), vg)
-    o = o.view(n, hkv, group, width_q, -1).permute(0, 3, 1, 2, 4).reshape(n, width_q, hq, -1)
-    out[rows_q[valid_q]] = o[valid_q].to(out.dtype)
+    o = o.view(n, hkv, group, width_q, -1).permute(0, 3, 1, 2, 4).reshape(n * width_q, hq, -1)
+    _write_rows(spec, lay, o, group_lse, out, lse)

@@ -69,6 +69,23 @@ def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, windo
 
 
 @triton.jit
+def _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr):
+    """Sequence b's query rows and key rows (paged: keys start at 0 of its block table row)."""
+    start_q = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - start_q
+    if PAGED:
+        start_k = start_q * 0
+        len_k = tl.load(SeqUsedK + b)
+    else:
+        start_k = tl.load(CuK + b)
+        if HAS_SEQUSED:
+            len_k = tl.load(SeqUsedK + b)
+        else:
+            len_k = tl.load(CuK + b + 1) - start_k
+    return start_q, len_q, start_k, len_k
+
+
+@triton.jit
 def _dropout_keep(seed, rng_offset, rows, head, offs_n, dropout_p):
     """Counter-based keep mask: philox(seed; key j, global query row, head, call offset)."""
     zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.uint32)

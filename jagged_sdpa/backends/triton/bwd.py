@@ -26,8 +26,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _scores, alibi_args, head_dim_pad, length_bucket, on_device, sequence_order,
-    tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _scores, _sequence_bounds, alibi_args, head_dim_pad, length_bucket, on_device,
+    sequence_order, tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import PackedCall
 
@@ -98,18 +98,6 @@ def _attn_bwd_delta(
 
 
 @triton.jit
-def _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr):
-    start_q = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - start_q
-    start_k = tl.load(CuK + b)
-    if HAS_SEQUSED:
-        len_k = tl.load(SeqUsedK + b)
-    else:
-        len_k = tl.load(CuK + b + 1) - start_k
-    return start_q, len_q, start_k, len_k
-
-
-@triton.jit
 def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope, window_left,
                    window_right, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    IEEE: tl.constexpr):
@@ -158,7 +146,7 @@ def _attn_bwd_dkdv(
     kv_head = tl.program_id(1) // GROUP_SPLITS
     group_split = tl.program_id(1) % GROUP_SPLITS
     b = tl.load(SeqOrder + tl.program_id(2))
-    start_q, len_q, start_k, len_k = _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED)
+    start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, False)
     n_blocks = tl.cdiv(len_k, BLOCK_N)
     if pid_n >= n_blocks:
         return
@@ -254,7 +242,7 @@ def _attn_bwd_dq(
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.load(SeqOrder + tl.program_id(2))
-    start_q, len_q, start_k, len_k = _bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED)
+    start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, False)
     n_blocks = tl.cdiv(len_q, BLOCK_M)
     if pid_m >= n_blocks:
         return

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _key_offsets, _scores, alibi_args, head_dim_pad, kv_strides, length_bucket, on_device,
-    sequence_order, tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, alibi_args, head_dim_pad, kv_strides,
+    length_bucket, on_device, sequence_order, tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
@@ -138,22 +138,6 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
     return acc, l_i, m_i
 
 
-@triton.jit
-def _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr):
-    start_q = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - start_q
-    if PAGED:
-        start_k = start_q * 0
-        len_k = tl.load(SeqUsedK + b)
-    else:
-        start_k = tl.load(CuK + b)
-        if HAS_SEQUSED:
-            len_k = tl.load(SeqUsedK + b)
-        else:
-            len_k = tl.load(CuK + b + 1) - start_k
-    return start_q, len_q, start_k, len_k
-
-
 @triton.autotune(
     configs=fwd_configs(),
     key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
@@ -188,7 +172,7 @@ def _attn_fwd(
     pid_z = tl.program_id(2)
     b = tl.load(SeqOrder + pid_z // NUM_SPLITS)
     split = pid_z % NUM_SPLITS
-    start_q, len_q, start_k, len_k = _query_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
+    start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
     n_rows = len_q
     if PACK_GQA:
         n_rows = len_q * GROUP

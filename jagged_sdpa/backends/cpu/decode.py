@@ -86,7 +86,9 @@ def forward_rows(spec: AttnSpec, q: Tensor, rows: list, out: Tensor, lse: Tensor
     """
     hq, hkv, group, dim, dim_v = spec.heads_q, spec.heads_kv, spec.gqa_group, spec.head_dim, spec.head_dim_v
     acc = compute_dtype(spec.dtype)
-    q_scaled = (q.to(acc) * spec.scale).view(q.shape[0], hkv, group, dim)
+    # Only the decode rows of q are scaled (a mixed call's prefill rows are not).
+    picked = q.index_select(0, torch.tensor([i for i, _, _, _ in rows], device=q.device))
+    q_scaled = (picked.to(acc) * spec.scale).view(len(rows), hkv, group, dim)
     max_keys = max(k.shape[0] for _, k, _, _ in rows)
     step = chunk_keys(spec)
     work = workspace(spec, max_keys)
@@ -94,14 +96,14 @@ def forward_rows(spec: AttnSpec, q: Tensor, rows: list, out: Tensor, lse: Tensor
     k_work = work[:chunk * hq * dim].view(chunk, hkv, group, dim)
     v_work = work[:chunk * hq * dim_v].view(chunk, hkv, group, dim_v)
     scores_buf = torch.empty(hq * max_keys, dtype=acc)
-    for i, k, v, slopes in rows:
+    for r, (i, k, v, slopes) in enumerate(rows):
         # One row always sees a key when Lk > 0: its aligned position (0 top-left, Lk - 1
         # bottom-right) lies inside [0, Lk) and inside its own window.
         lo, hi = plan.row_keys(spec, 1, k.shape[0], 0)
         n = hi - lo
         # Scores as (Hq, keys), written through a transposed view: the softmax then runs on rows.
         s = scores_buf[:hq * n].view(hq, n)
-        q_i = q_scaled[i]
+        q_i = q_scaled[r]
         for c0 in range(0, n, step):
             c1 = min(n, c0 + step)
             prod = k_work[:c1 - c0]

@@ -12,7 +12,7 @@ import torch
 import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import backend as cpu_backend
-from jagged_sdpa.backends.cpu import blocked, fused
+from jagged_sdpa.backends.cpu import blocked, fused, native
 from cases import cu_of, in_nan_buffer
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
@@ -38,10 +38,19 @@ OPTIONS = {
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["default_blocks", "small_blocks"])
+@pytest.fixture(params=["native", "default_blocks", "small_blocks"])
 def block_size(request, monkeypatch):
-    """Run with the shipped block sizes and with tiny ones (many blocks per sequence, so the
-    visible-key ranges and per-block masks are exercised on small, fast shapes)."""
+    """Run the compiled kernel (split into work items of 8 query rows, with direct rows up to 3
+    queries), and the torch-op engines with the shipped block sizes and with tiny ones (many blocks
+    per sequence, so the visible-key ranges and per-block masks are exercised on small, fast
+    shapes). The backward always runs the torch-op engines, after either forward."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip(f"compiled kernel unavailable: {native.unavailable_reason()}")
+        monkeypatch.setattr(native, "Q_CHUNK", 8)
+        monkeypatch.setattr(native, "DIRECT_ROWS", 3)
+        return request.param
+    monkeypatch.setattr(native, "library", lambda: None)
     if request.param == "small_blocks":
         monkeypatch.setattr(fused, "BLOCK_ROWS", 8)
         monkeypatch.setattr(fused, "DIAGONAL_ROWS", 8)
@@ -270,10 +279,30 @@ def test_automatic_selection_picks_cpu_fused_on_cpu():
     assert jagged_sdpa.explain(x, paged, paged, cu, None, block_table=table, seqused_k=used).chosen == CPU
 
 
+def test_explain_is_silent_when_the_compiled_kernel_runs_every_option():
+    if native.library() is None:
+        pytest.skip(f"compiled kernel unavailable: {native.unavailable_reason()}")
+    x = torch.randn(11, 2, 8)
+    cu = cu_of([3, 8])
+    for opts in ({"causal": True}, {"softcap": 2.0}, {"window_size": (2, 1)}):
+        assert not jagged_sdpa.explain(x, x, x, cu, cu, **opts).notes
+
+
+def test_explain_says_why_the_compiled_kernel_is_not_used():
+    x = torch.randn(11, 2, 8)
+    cu = cu_of([3, 8])
+    notes = " ".join(jagged_sdpa.explain(x.double(), x.double(), x.double(), cu, cu).notes)
+    assert "compiled kernel not used (float64: the kernel computes in float32)" in notes
+    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, dropout_p=0.1).notes)
+    assert "compiled kernel not used (dropout)" in notes and "blocked matmuls" in notes
+
+
+@pytest.mark.usefixtures("torch_engines")
 def test_explain_says_when_an_option_takes_the_slower_engine():
     x = torch.randn(11, 2, 8)
     cu = cu_of([3, 8])
-    assert not jagged_sdpa.explain(x, x, x, cu, cu, causal=True).notes
+    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, causal=True).notes)
+    assert "compiled kernel not used (unavailable" in notes and "blocked" not in notes
     notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, softcap=2.0).notes)
     assert "softcap" in notes and "blocked matmuls" in notes and "x the time" in notes
 
@@ -372,6 +401,7 @@ def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.usefixtures("torch_engines")
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_causal_runs_as_unmasked_rectangles_and_causal_squares(alignment, monkeypatch):
     """Plain causal work is about half the full square and builds no mask: each block of rows is
@@ -395,6 +425,7 @@ def test_causal_runs_as_unmasked_rectangles_and_causal_squares(alignment, monkey
     assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of([n]))
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_windowed_blocks_skip_masked_keys(monkeypatch):
     """Windows (and ALiBi) keep masked blocks: each block multiplies only its visible keys."""
     seen = []
@@ -411,6 +442,7 @@ def test_windowed_blocks_skip_masked_keys(monkeypatch):
     assert len(seen) == 4 and sum(seen) <= 0.65 * n * n
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_memory_per_block_is_bounded_for_long_sequences(monkeypatch):
     """The blocked engine never materialises more than one block of scores for a long sequence."""
     largest = []
@@ -436,6 +468,7 @@ def test_bfloat16_lse_requested_without_grad_is_float32_accurate():
     assert_close_lse(lse, ref_lse)
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_engine_choice():
     spec = jagged_sdpa.explain(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
                                cu_of([4]), cu_of([4])).spec
@@ -449,6 +482,7 @@ def test_engine_choice():
     assert cpu_backend.fused_for_sequence(spec, 300, 300)
 
 
+@pytest.mark.usefixtures("torch_engines")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window_size": (3, 2)}], ids=["plain", "causal", "window"])
 def test_many_short_sequences_run_as_padded_groups(dtype, opts, monkeypatch):
@@ -471,6 +505,7 @@ def test_many_short_sequences_run_as_padded_groups(dtype, opts, monkeypatch):
     assert_close_lse(lse, ref_lse)
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_split_across_threads_matches_one_thread_bitwise():
     """Sequences run on two threads, each single-threaded: same numbers as one thread, any order."""
     from jagged_sdpa.backends.cpu import schedule
@@ -499,8 +534,8 @@ DECODE_K_LENS = [7, 1, 37, 130, 20, 3]
 
 
 @pytest.fixture(params=["one_chunk", "many_chunks"])
-def decode_chunks(request, monkeypatch):
-    """Record decode-engine rows; with many_chunks, a chunk holds a few keys only."""
+def decode_chunks(request, monkeypatch, torch_engines):
+    """Record decode-engine rows (torch-op engines); with many_chunks, a chunk holds a few keys only."""
     from jagged_sdpa.backends.cpu import decode
     if request.param == "many_chunks":
         monkeypatch.setattr(decode, "CHUNK_ELEMENTS", 4 * 64)
@@ -573,6 +608,7 @@ def test_decode_rows_through_sdpa_njt(alignment, decode_chunks):
     assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(lengths_q))
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_decode_engine_is_forward_only():
     """With grad or dropout, one-row sequences keep the blocked engine (its backward and its
     dropout order): and the gradient through them is right."""
@@ -592,6 +628,7 @@ def test_decode_engine_is_forward_only():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.usefixtures("torch_engines")
 def test_decode_workspace_is_kept_per_thread_and_dtype_and_grows():
     import threading
     from jagged_sdpa.backends.cpu import decode

@@ -106,6 +106,7 @@ def test_fused_kernel_form_is_available_on_this_torch():
     assert grouped.fused_kernel_works() and grouped.fused_kernel_gqa()
 
 
+@pytest.mark.usefixtures("torch_engines")
 @pytest.mark.parametrize("form", ["fused", "fused_no_gqa", "bmm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
                          ids=["float32", "float64", "float16", "bfloat16"])

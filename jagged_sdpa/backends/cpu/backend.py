@@ -1,6 +1,8 @@
 """CPU_FUSED: the fast CPU path, chosen automatically for CPU tensors; takes every option.
 
-Per sequence it picks one engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or blocked
+The forward runs our compiled kernel (``native.py``: one call for the whole batch) whenever it can:
+fp32/fp16/bf16, packed keys, no dropout. Otherwise, and for every backward, per sequence it picks
+one torch-op engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or blocked
 matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the fused
 kernel cannot take); both walk a sequence in blocks of query rows that see only their visible
 keys. Without grad, one-query rows take the decode engine (``decode.py``) and short sequences are
@@ -18,7 +20,7 @@ import torch
 from torch import Tensor
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, schedule
+from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, native, schedule
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -117,7 +119,9 @@ class CpuFusedBackend(BackendImpl):
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
         notes=(
-            "fp32/fp64/fp16: PyTorch's fused CPU flash kernel per block of query rows; bf16, softcap "
+            "forward in fp32/fp16/bf16 without dropout: our compiled kernel (built on first use; needs a "
+            "C++ compiler). Otherwise, and backward: fp32/fp64/fp16: PyTorch's fused CPU flash kernel per "
+            "block of query rows; bf16, softcap "
             "and dropout: blocked matmuls; decode rows (one query, no grad): elementwise passes over "
             "key chunks; short sequences without grad: padded groups",
         ),
@@ -131,18 +135,23 @@ class CpuFusedBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        """Silent on the usual paths; says so when an option moves the call to the slower engine."""
+        """Silent on the usual path (the compiled kernel's forward); says why when the call runs
+        on the torch-op engines instead, and when an option moves it to the slower of those."""
+        why_not_native = native.skip_reason(spec)
+        if why_not_native is None:
+            return ()
+        notes = [f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence"]
         if uses_fused_kernel(spec):
-            return ()
+            return tuple(notes)
         if spec.dtype == torch.bfloat16 and not (spec.softcap or spec.dropout_p or spec.head_dim_v != spec.head_dim):
-            return ()
+            return tuple(notes)
         why = " and ".join(n for n, on in (("softcap", spec.softcap), ("dropout", spec.dropout_p),
                                            ("head_dim_v != head_dim", spec.head_dim_v != spec.head_dim),
                                            ("float16 with alibi", spec.dtype == torch.float16 and spec.alibi)) if on)
         note = f"cpu_fused: {why} run as blocked matmuls (the fused kernel cannot take them)"
         if spec.dtype != torch.bfloat16:
             note += "; expect about 1.5-2x the time of the same call without them"
-        return (note,)
+        return (*notes, note)
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
@@ -150,6 +159,9 @@ class CpuFusedBackend(BackendImpl):
         q = call.q
         out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
+        if native.skip_reason(spec) is None:
+            native.forward(call, out, lse)
+            return AttnOutput(out, lse if spec.return_lse else None, _State(None, None))
         lse_full = None
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)

@@ -1,0 +1,521 @@
+// Ragged attention forward on the CPU, compiled for this machine (native.py builds and binds it).
+//
+// Why our own kernel: PyTorch's fused CPU kernel calls MKL sgemm, which on this AMD CPU runs its
+// AVX2 path (89 GFLOP/s a core against ~190 for AVX-512 FMAs), and every torch-op engine pays
+// Python and dispatch per sequence. Here one call walks every (sequence, head, block of query
+// rows) of a ragged batch on OpenMP threads (the same runtime as torch's), with register-tiled
+// micro-kernels written with GCC vector extensions (AVX-512 with -march=native on this machine,
+// portable elsewhere) and an online softmax over blocks of keys.
+//
+// Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
+// strides and a contiguous last dim; out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural
+// log, -inf for rows that see no key. Scores follow API.md's order: scale, softcap, ALiBi
+// (-slope * |i' - j|), masks (causal, window) on the aligned position i' = i + shift.
+// Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int W = 16;        // floats per vector
+constexpr int BK = 64;       // keys per block (4 vectors): packed K^T and V of a block stay in L1
+constexpr int QCHUNK = 256;  // query rows per work item: each key block is packed once for them
+constexpr int R = 6;         // query rows per micro-tile (24 accumulators of 16 floats)
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf loadu(const float* p) { vf r; std::memcpy(&r, p, sizeof r); return r; }
+inline void storeu(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Horizontal max and sum as trees of shuffles (a chain of 16 scalar steps costs ~4x more).
+inline float hmax(vf x) {
+    x = vmax(x, __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = vmax(x, __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = vmax(x, __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = vmax(x, __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return x[0];
+}
+inline float hsum(vf x) {
+    x += __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+// exp(x) to ~1 ulp for x <= 88 (Cephes expf); exactly 0 below -87.33, so exp(-inf) = 0.
+inline vf vexp(vf x) {
+    const vf lo = splat(-87.33654f);
+    const vi under = x < lo;
+    x = x < lo ? lo : x;
+    const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    vf t = x * splat(1.44269504088896341f) + magic;
+    vf n = t - magic;
+    vi ni;
+    std::memcpy(&ni, &t, sizeof ni);
+    ni -= 0x4B400000;  // the integer n in the low bits of t
+    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + splat(1.3981999507E-3f);
+    p = p * r + splat(8.3334519073E-3f);
+    p = p * r + splat(4.1665795894E-2f);
+    p = p * r + splat(1.6666665459E-1f);
+    p = p * r + splat(5.0000001201E-1f);
+    vf y = p * r * r + r + splat(1.0f);
+    vi bits = (ni + 127) << 23;
+    vf scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    y = y * scale;
+    return under ? splat(0.0f) : y;
+}
+
+// Element access for the three input dtypes; computation is float32.
+// ld16 widens 16 contiguous elements at once.
+struct F32 {
+    typedef float T;
+    static float ld(const T* p) { return *p; }
+    static vf ld16(const T* p) { return loadu(p); }
+    static T st(float x) { return x; }
+};
+struct F16 {
+    typedef _Float16 T;
+    static float ld(const T* p) { return static_cast<float>(*p); }
+    static vf ld16(const T* p) {
+        typedef _Float16 vh __attribute__((vector_size(32)));
+        vh h;
+        std::memcpy(&h, p, sizeof h);
+        return __builtin_convertvector(h, vf);
+    }
+    static T st(float x) { return static_cast<_Float16>(x); }
+};
+struct BF16 {
+    typedef uint16_t T;
+    static float ld(const T* p) {
+        uint32_t b = static_cast<uint32_t>(*p) << 16;
+        float f;
+        std::memcpy(&f, &b, 4);
+        return f;
+    }
+    static vf ld16(const T* p) {
+        typedef uint16_t vu __attribute__((vector_size(32)));
+        vu h;
+        std::memcpy(&h, p, sizeof h);
+        vi b = __builtin_convertvector(h, vi) << 16;
+        vf f;
+        std::memcpy(&f, &b, sizeof f);
+        return f;
+    }
+    static T st(float x) {  // round to nearest even; NaN stays NaN
+        uint32_t b;
+        std::memcpy(&b, &x, 4);
+        if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<T>((b >> 16) | 0x40);
+        b += 0x7fffu + ((b >> 16) & 1u);
+        return static_cast<T>(b >> 16);
+    }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Mirrored field for field by _Params in native.py.
+struct JsParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    float* lse;              // may be null
+    const int64_t* cu_q;     // (batch + 1,) query offsets into q/out
+    const int64_t* k_start;  // (batch,) first key row of each sequence
+    const int64_t* len_k;    // (batch,) keys of each sequence
+    const float* slopes;     // ALiBi slopes, null when off
+    int64_t slopes_batch_stride;  // 0 for (Hq,), Hq for (B, Hq)
+    int64_t batch, heads_q, heads_kv, head_dim, head_dim_v;
+    int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok, o_head;
+    int64_t lse_head, lse_tok;
+    float scale, softcap;
+    int32_t causal, bottom_right;
+    int64_t window_left, window_right;
+    int32_t dtype;           // 0 float32, 1 float16, 2 bfloat16
+    int32_t threads;
+    // Work split (tests shrink them to reach every path on small shapes): query rows per item
+    // (at most QCHUNK), sequences with at most direct_rows queries run as direct rows, whose keys
+    // go in steps of direct_keys (at most DIRECT_KEYS).
+    int32_t q_chunk, direct_rows, direct_keys;
+};
+
+}  // extern "C"
+
+namespace {
+
+struct Item {
+    int32_t b, h, row0, rows;
+    int64_t cost;
+};
+
+// Visible keys [lo, hi) of the query row at aligned position pos, for a sequence of len_k keys.
+// Both ends are non-decreasing in pos, so a run of rows sees [lo(first), hi(last)).
+inline void key_range(const JsParams& p, int64_t pos, int64_t len_k, int64_t* lo, int64_t* hi) {
+    int64_t a = 0, b = len_k;
+    if (p.causal) b = std::min(b, pos + 1);
+    if (p.window_left >= 0) a = std::max(a, pos - p.window_left);
+    if (p.window_right >= 0) b = std::min(b, pos + p.window_right + 1);
+    *lo = a;
+    *hi = std::max(a, b);
+}
+
+// What a score row of key block [kb, kb + nk) needs beyond q.k: softcap, ALiBi, masks (-inf).
+struct RowRule {
+    const JsParams& p;
+    int64_t kb, len_k;
+    int nk;
+    float slope;
+
+    void apply(float* s, int64_t pos) const {
+        if (p.softcap > 0.f)
+            for (int j = 0; j < nk; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+        if (p.slopes)
+            for (int j = 0; j < nk; ++j) s[j] -= slope * static_cast<float>(std::llabs(pos - (kb + j)));
+        int64_t lo, hi;
+        key_range(p, pos, len_k, &lo, &hi);
+        const int64_t jlo = std::clamp<int64_t>(lo - kb, 0, BK);
+        const int64_t jhi = std::clamp<int64_t>(hi - kb, jlo, nk);
+        for (int64_t j = 0; j < jlo; ++j) s[j] = -INFINITY;
+        for (int64_t j = jhi; j < BK; ++j) s[j] = -INFINITY;
+    }
+};
+
+// S[RR rows][BK] = Qp[RR][D] . Kt[D][BK]. Kept out of line (like pv_tile): inlined into the
+// softmax code its 24 accumulators were spilled, at half the speed.
+template <int RR>
+__attribute__((noinline)) void qk_tile(const float* qp, int64_t d, const float* kt, float* s) {
+    vf acc[RR][4];
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = splat(0.f);
+    for (int64_t e = 0; e < d; ++e) {
+        const float* krow = kt + e * BK;
+        const vf k0 = loadu(krow), k1 = loadu(krow + W), k2 = loadu(krow + 2 * W), k3 = loadu(krow + 3 * W);
+        for (int r = 0; r < RR; ++r) {
+            const vf qv = splat(qp[r * d + e]);
+            acc[r][0] += qv * k0;
+            acc[r][1] += qv * k1;
+            acc[r][2] += qv * k2;
+            acc[r][3] += qv * k3;
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < 4; ++c) storeu(s + r * BK + c * W, acc[r][c]);
+}
+
+// O[RR rows][NV*W chunk] = alpha * O + P[RR][nk] . Vp[nk][chunk]
+template <int RR, int NV>
+__attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int nk, const float* vp, int64_t dvp,
+                                       float* o) {
+    vf acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = loadu(o + r * dvp + c * W) * splat(alpha[r]);
+    for (int j = 0; j < nk; ++j) {
+        vf vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = loadu(vp + j * dvp + c * W);
+        for (int r = 0; r < RR; ++r) {
+            const vf pj = splat(pb[r * BK + j]);
+            for (int c = 0; c < NV; ++c) acc[r][c] += pj * vv[c];
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < NV; ++c) storeu(o + r * dvp + c * W, acc[r][c]);
+}
+
+// One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
+// update of (m, l), then O = alpha * O + P.V. plain: every row sees the whole block and no
+// softcap/ALiBi applies (no per-score rule).
+template <int RR>
+void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t dvp, float* o, float* m, vf* lv,
+          bool plain, const RowRule& rule, int64_t pos0) {
+    alignas(64) float pb[RR * BK];
+    qk_tile<RR>(qp, d, kt, pb);
+    float alpha[RR];
+    for (int r = 0; r < RR; ++r) {
+        float* row = pb + r * BK;
+        if (!plain) rule.apply(row, pos0 + r);
+        const float bm = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
+        if (bm == -INFINITY) {  // the row sees no key of this block
+            alpha[r] = 1.f;
+            for (int c = 0; c < 4; ++c) storeu(row + c * W, splat(0.f));
+            continue;
+        }
+        const float mn = std::max(m[r], bm);
+        alpha[r] = std::exp(m[r] - mn);  // 0 when m was -inf (O and l are still 0)
+        m[r] = mn;
+        const vf mv = splat(mn);
+        vf sum = splat(0.f);
+        for (int c = 0; c < 4; ++c) {
+            const vf e = vexp(loadu(row + c * W) - mv);
+            storeu(row + c * W, e);
+            sum += e;
+        }
+        lv[r] = lv[r] * splat(alpha[r]) + sum;
+    }
+    const int nk = rule.nk;
+    int64_t c = 0;
+    for (; c + 4 * W <= dvp; c += 4 * W) pv_tile<RR, 4>(pb, alpha, nk, vp + c, dvp, o + c);
+    switch ((dvp - c) / W) {
+        case 3: pv_tile<RR, 3>(pb, alpha, nk, vp + c, dvp, o + c); break;
+        case 2: pv_tile<RR, 2>(pb, alpha, nk, vp + c, dvp, o + c); break;
+        case 1: pv_tile<RR, 1>(pb, alpha, nk, vp + c, dvp, o + c); break;
+        default: break;
+    }
+}
+
+// sum_e a[e] * b[e] over d elements: a is float32 (a packed query), b a row of the input.
+template <class IO>
+inline float dot(const float* a, const typename IO::T* b, int64_t d) {
+    vf acc = splat(0.f);
+    int64_t e = 0;
+    for (; e + W <= d; e += W) acc += loadu(a + e) * IO::ld16(b + e);
+    float tail = 0.f;
+    for (; e < d; ++e) tail += a[e] * IO::ld(b + e);
+    return hsum(acc) + tail;
+}
+
+constexpr int DIRECT_KEYS = 256;  // most keys per step of a direct row (scratch size)
+
+// A row attended on its own (decode: one query, or a few), all heads at once: no packing, since
+// nothing would reuse it, and each key's K and V rows are read once for every head, in memory
+// order (per head, a strided walk ran at a third of the speed). Its visible keys are one range,
+// so masks are bounds; keys go in steps of DIRECT_KEYS with an online softmax per head.
+// Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x Dv), m and l (Hq).
+template <class IO>
+void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, float* o, float* m, float* l) {
+    typedef typename IO::T T;
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    const int64_t d = p.head_dim, dv = p.head_dim_v, heads = p.heads_q, group = p.heads_q / p.heads_kv;
+    const int64_t row = p.cu_q[b] + r;
+    const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = p.len_k[b], k0 = p.k_start[b];
+    const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
+    const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
+    const T* q = static_cast<const T*>(p.q) + row * p.q_tok;
+    for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t e = 0; e < d; ++e) qv[h * d + e] = IO::ld(q + h * p.q_head + e) * p.scale;
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    std::fill(o, o + heads * dv, 0.f);
+    int64_t lo, hi;
+    key_range(p, pos, len_k, &lo, &hi);
+    const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
+    for (int64_t kb = lo; kb < hi; kb += step) {
+        const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
+        for (int j = 0; j < n; ++j) {
+            const T* krow = k + (k0 + kb + j) * p.k_tok;
+            for (int64_t h = 0; h < heads; ++h) {
+                float x = dot<IO>(qv + h * d, krow + (h / group) * p.k_head, d);
+                if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
+                if (slopes) x -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
+                s[h * DIRECT_KEYS + j] = x;
+            }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            float* sh = s + h * DIRECT_KEYS;
+            float bm = -INFINITY;
+            for (int j = 0; j < n; ++j) bm = std::max(bm, sh[j]);
+            const float mn = std::max(m[h], bm);
+            const float alpha = std::exp(m[h] - mn);
+            m[h] = mn;
+            int j = 0;
+            vf sum = splat(0.f);
+            for (; j + W <= n; j += W) {
+                const vf e = vexp(loadu(sh + j) - splat(mn));
+                storeu(sh + j, e);
+                sum += e;
+            }
+            float tail = 0.f;
+            for (; j < n; ++j) tail += (sh[j] = std::exp(sh[j] - mn));
+            l[h] = l[h] * alpha + hsum(sum) + tail;
+            for (int64_t e = 0; e < dv; ++e) o[h * dv + e] *= alpha;
+        }
+        for (int j = 0; j < n; ++j) {
+            const T* vrow = v + (k0 + kb + j) * p.v_tok;
+            for (int64_t h = 0; h < heads; ++h) {
+                const T* vh = vrow + (h / group) * p.v_head;
+                float* oh = o + h * dv;
+                const float pj = s[h * DIRECT_KEYS + j];
+                int64_t e = 0;
+                for (; e + W <= dv; e += W) storeu(oh + e, loadu(oh + e) + splat(pj) * IO::ld16(vh + e));
+                for (; e < dv; ++e) oh[e] += pj * IO::ld(vh + e);
+            }
+        }
+    }
+    T* out = static_cast<T*>(p.out) + row * p.o_tok;
+    for (int64_t h = 0; h < heads; ++h) {
+        const bool empty = !(l[h] > 0.f);
+        const float inv = empty ? 0.f : 1.f / l[h];
+        for (int64_t e = 0; e < dv; ++e) out[h * p.o_head + e] = IO::st(o[h * dv + e] * inv);
+        if (p.lse) p.lse[h * p.lse_head + row * p.lse_tok] = empty ? -INFINITY : m[h] + std::log(l[h]);
+    }
+}
+
+struct Scratch {
+    std::vector<float> q, kt, v, o, m, s, dl;
+    std::vector<vf> l;
+    void fit(int64_t d, int64_t dvp, int64_t heads) {
+        const int64_t rows = std::max<int64_t>(QCHUNK, heads);
+        s.resize(heads * DIRECT_KEYS);
+        dl.resize(heads);
+        q.resize(rows * d);
+        kt.resize(d * BK);
+        v.resize(BK * dvp);
+        o.resize(rows * dvp);
+        m.resize(rows);
+        l.resize(QCHUNK);
+    }
+};
+
+template <class IO>
+void run_item(const JsParams& p, const Item& it, Scratch& w) {
+    typedef typename IO::T T;
+    if (it.h < 0) {  // direct rows, all heads
+        for (int r = 0; r < it.rows; ++r)
+            direct_row<IO>(p, it.b, it.row0 + r, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data());
+        return;
+    }
+    const T* q = static_cast<const T*>(p.q);
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    T* out = static_cast<T*>(p.out);
+    const int64_t d = p.head_dim, dv = p.head_dim_v, dvp = (dv + W - 1) / W * W;
+    const int64_t hk = it.h / (p.heads_q / p.heads_kv);
+    const int64_t q0 = p.cu_q[it.b] + it.row0;  // first packed query row of the item
+    const int64_t len_q = p.cu_q[it.b + 1] - p.cu_q[it.b];
+    const int64_t len_k = p.len_k[it.b], k0 = p.k_start[it.b];
+    const int64_t pos0 = it.row0 + (p.bottom_right ? len_k - len_q : 0);  // aligned position of row 0
+    const int rows = it.rows;
+    const float slope = p.slopes ? p.slopes[it.b * p.slopes_batch_stride + it.h] : 0.f;
+    const bool scored = p.softcap > 0.f || p.slopes;
+
+    float* qp = w.q.data();
+    float* kt = w.kt.data();
+    float* vp = w.v.data();
+    float* o = w.o.data();
+    float* m = w.m.data();
+    vf* lv = w.l.data();
+    for (int r = 0; r < rows; ++r) {
+        const T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
+        for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
+        m[r] = -INFINITY;
+        lv[r] = splat(0.f);
+    }
+    std::fill(o, o + rows * dvp, 0.f);
+
+    int64_t lo_all, hi_first, lo_last, hi_all;
+    key_range(p, pos0, len_k, &lo_all, &hi_first);
+    key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
+    for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
+        const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
+        // Pack K^T (D x BK, zero past nk) and V (nk x Dvp, zero past Dv) of this block.
+        for (int j = 0; j < nk; ++j) {
+            const T* ksrc = k + (k0 + kb + j) * p.k_tok + hk * p.k_head;
+            for (int64_t e = 0; e < d; ++e) kt[e * BK + j] = IO::ld(ksrc + e);
+            const T* vsrc = v + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+            float* vdst = vp + j * dvp;
+            for (int64_t e = 0; e < dv; ++e) vdst[e] = IO::ld(vsrc + e);
+            for (int64_t e = dv; e < dvp; ++e) vdst[e] = 0.f;
+        }
+        if (nk < BK)
+            for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
+        const RowRule rule{p, kb, len_k, nk, slope};
+        for (int r = 0; r < rows; r += R) {
+            const int rr = std::min(R, rows - r);
+            int64_t lo_f, hi_f, lo_l, hi_l;
+            key_range(p, pos0 + r, len_k, &lo_f, &hi_f);
+            key_range(p, pos0 + r + rr - 1, len_k, &lo_l, &hi_l);
+            if (hi_l <= kb || lo_f >= kb + nk) continue;  // no row of the tile sees this block
+            const bool plain = !scored && nk == BK && lo_l <= kb && hi_f >= kb + BK;
+            float* const args_o = o + r * dvp;
+            switch (rr) {
+#define JS_TILE(n) case n: tile<n>(qp + r * d, d, kt, vp, dvp, args_o, m + r, lv + r, plain, rule, pos0 + r); break;
+                JS_TILE(6) JS_TILE(5) JS_TILE(4) JS_TILE(3) JS_TILE(2) JS_TILE(1)
+#undef JS_TILE
+            }
+        }
+    }
+
+    for (int r = 0; r < rows; ++r) {
+        const float l = hsum(lv[r]);
+        const bool empty = !(l > 0.f);
+        const float inv = empty ? 0.f : 1.f / l;
+        T* dst = out + (q0 + r) * p.o_tok + it.h * p.o_head;
+        const float* orow = o + r * dvp;
+        for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(orow[e] * inv);
+        if (p.lse) p.lse[it.h * p.lse_head + (q0 + r) * p.lse_tok] = empty ? -INFINITY : m[r] + std::log(l);
+    }
+}
+
+template <class IO>
+void run_all(const JsParams& p) {
+    std::vector<Item> items;
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
+        const int64_t len_k = p.len_k[b];
+        const int64_t shift = p.bottom_right ? len_k - len_q : 0;
+        if (len_q <= p.direct_rows) {
+            int64_t lo, hi;
+            key_range(p, shift, len_k, &lo, &hi);
+            items.push_back(Item{static_cast<int32_t>(b), -1, 0, static_cast<int32_t>(len_q),
+                                 len_q * p.heads_q * (hi - lo + 16)});
+            continue;
+        }
+        const int64_t chunk = std::clamp<int64_t>(p.q_chunk, 1, QCHUNK);
+        for (int64_t r0 = 0; r0 < len_q; r0 += chunk) {
+            const int rows = static_cast<int>(std::min<int64_t>(chunk, len_q - r0));
+            int64_t lo1, hi1, lo2, hi2;
+            key_range(p, r0 + shift, len_k, &lo1, &hi1);
+            key_range(p, r0 + rows - 1 + shift, len_k, &lo2, &hi2);
+            const int64_t keys = std::max(hi1, hi2) - std::min(lo1, lo2);
+            for (int64_t h = 0; h < p.heads_q; ++h)
+                items.push_back(Item{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(r0), rows,
+                                     rows * (keys + 16)});
+        }
+    }
+    // Longest first: dynamic scheduling then balances the threads (LPT).
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    int64_t total = 0;
+    for (const Item& it : items) total += it.cost;
+    const int64_t dvp = (p.head_dim_v + W - 1) / W * W;
+    int threads = std::max(1, p.threads);
+    // A few thousand pairs are not worth waking a second thread.
+    if (total * p.head_dim < (int64_t(1) << 18) || items.size() < 2) threads = 1;
+    const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Scratch w;
+        w.fit(p.head_dim, dvp, p.heads_q);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) run_item<IO>(p, items[i], w);
+    }
+}
+
+}  // namespace
+
+extern "C" int js_attention_forward(const JsParams* p) {
+    if (p->heads_kv <= 0 || p->heads_q % p->heads_kv) return 1;
+    switch (p->dtype) {
+        case 0: run_all<F32>(*p); return 0;
+        case 1: run_all<F16>(*p); return 0;
+        case 2: run_all<BF16>(*p); return 0;
+        default: return 2;
+    }
+}
+
+extern "C" int js_abi_version() { return 2; }

@@ -1,0 +1,205 @@
+"""Engine 5: our compiled CPU forward (``csrc/attention.cpp``), built for this machine on first use.
+
+Why compiled: every torch-op engine pays Python and dispatch per sequence, and PyTorch's fused CPU
+kernel runs MKL's AVX2 sgemm on this AMD CPU (89 GFLOP/s a core; AVX-512 FMAs reach ~190). One
+call of the compiled kernel runs a whole ragged batch on torch's own OpenMP threads.
+
+The build needs only a C++ compiler (``$CXX``, else ``g++``/``c++``): no torch headers, so it
+takes ~3 s, once per machine. The library is cached under ``$JAGGED_SDPA_CACHE`` (default
+``~/.cache/jagged_sdpa``) by a hash of the source, the compiler and this CPU's flags (it is built
+with ``-march=native``). Without a compiler, or with ``JAGGED_SDPA_NATIVE=0``, the CPU path keeps
+its torch-op engines and ``explain`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa.spec import AttnSpec, PackedCall
+
+SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+ABI_VERSION = 2
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
+# packed once for them), sequences with at most DIRECT_ROWS queries run as direct rows (all heads,
+# no packing: decoding), whose keys go in steps of DIRECT_KEYS (at most 256). Tests shrink them.
+Q_CHUNK = 256
+DIRECT_ROWS = 2
+DIRECT_KEYS = 256
+
+
+class _Params(ctypes.Structure):
+    """Mirror of ``JsParams`` in attention.cpp, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("k_start", ctypes.c_void_p),
+        ("len_k", ctypes.c_void_p), ("slopes", ctypes.c_void_p), ("slopes_batch_stride", ctypes.c_int64),
+        ("batch", ctypes.c_int64), ("heads_q", ctypes.c_int64), ("heads_kv", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("head_dim_v", ctypes.c_int64),
+        ("q_tok", ctypes.c_int64), ("q_head", ctypes.c_int64), ("k_tok", ctypes.c_int64), ("k_head", ctypes.c_int64),
+        ("v_tok", ctypes.c_int64), ("v_head", ctypes.c_int64), ("o_tok", ctypes.c_int64), ("o_head", ctypes.c_int64),
+        ("lse_head", ctypes.c_int64), ("lse_tok", ctypes.c_int64),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("causal", ctypes.c_int32), ("bottom_right", ctypes.c_int32),
+        ("window_left", ctypes.c_int64), ("window_right", ctypes.c_int64),
+        ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
+        ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
+    ]
+
+
+class NativeUnavailable(RuntimeError):
+    pass
+
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    raise NativeUnavailable("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JAGGED_SDPA_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jagged_sdpa"
+
+
+def _build() -> Path:
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"{cxx} --version failed: {exc}") from None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            raise NativeUnavailable(f"{cxx} failed to build {SOURCE.name}: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each install a whole library
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"building {SOURCE.name} failed: {exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    if os.environ.get("JAGGED_SDPA_NATIVE", "1") == "0":
+        raise NativeUnavailable("disabled by JAGGED_SDPA_NATIVE=0")
+    path = _build()
+    try:
+        lib = ctypes.CDLL(str(path))   # CDLL calls release the GIL
+    except OSError as exc:
+        raise NativeUnavailable(f"loading {path} failed: {exc}") from None
+    if lib.js_abi_version() != ABI_VERSION:
+        raise NativeUnavailable(f"{path} has ABI {lib.js_abi_version()}, expected {ABI_VERSION}")
+    lib.js_attention_forward.argtypes = [ctypes.POINTER(_Params)]
+    lib.js_attention_forward.restype = ctypes.c_int
+    return lib
+
+
+def library():
+    """The loaded library, or None; built at most once per process (and once per machine)."""
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                try:
+                    _STATE["lib"], _STATE["why"] = _load(), None
+                except NativeUnavailable as exc:
+                    _STATE["lib"], _STATE["why"] = None, str(exc)
+    return _STATE["lib"]
+
+
+def unavailable_reason() -> Optional[str]:
+    library()
+    return _STATE["why"]
+
+
+def reset() -> None:
+    """Forget the loaded library (tests switch JAGGED_SDPA_NATIVE)."""
+    with _LOCK:
+        _STATE.clear()
+
+
+def skip_reason(spec: AttnSpec) -> Optional[str]:
+    """None when the compiled kernel runs this call's forward, else why not (for ``explain``).
+
+    It takes packed (not paged) keys in fp32/fp16/bf16 with every option but dropout. float64 keeps
+    the torch engines (the kernel computes in float32), dropout keeps the blocked engine's
+    replayable draws, paged caches keep the per-sequence gathers."""
+    if spec.dtype not in _DTYPES:
+        return f"{str(spec.dtype).replace('torch.', '')}: the kernel computes in float32"
+    if spec.dropout_p:
+        return "dropout"
+    if spec.paged:
+        return "paged KV cache"
+    if not spec.lengths_known or not spec.last_dim_contiguous:
+        return "lengths not on the host" if not spec.lengths_known else "last dim not contiguous"
+    if library() is None:
+        return f"unavailable: {_STATE.get('why') or 'disabled'}"
+    return None
+
+
+def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
+    """Every sequence of ``call`` in one kernel call: out (total_q, Hq, Dv) and lse (Hq, total_q)."""
+    lib = library()
+    spec = call.spec
+    q, k, v = call.q, call.k, call.v
+    ranges = call.key_ranges_host()
+    cu_q = torch.tensor(call.cu_q_host if call.cu_q_host is not None else call.cu_seqlens_q.tolist(),
+                        dtype=torch.int64)
+    k_start = torch.tensor([s for s, _ in ranges], dtype=torch.int64)
+    len_k = torch.tensor([n for _, n in ranges], dtype=torch.int64)
+    slopes = None
+    if call.alibi_slopes is not None:
+        slopes = call.alibi_slopes.to(torch.float32).contiguous()
+    left, right = spec.window
+    p = _Params(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        cu_q.data_ptr(), k_start.data_ptr(), len_k.data_ptr(),
+        slopes.data_ptr() if slopes is not None else None,
+        spec.heads_q if slopes is not None and slopes.dim() == 2 else 0,
+        spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim, spec.head_dim_v,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
+        left, right, _DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
+    )
+    code = lib.js_attention_forward(ctypes.byref(p))
+    if code:
+        raise RuntimeError(f"native attention kernel refused its parameters (code {code})")

@@ -1,0 +1,218 @@
+"""The compiled CPU kernel (``backends/cpu/native.py``, ``csrc/attention.cpp``) against the float64
+reference, on shapes that reach every path of it: several key blocks of 64 and query chunks per
+sequence, micro-tiles of 1..6 rows, masked and unmasked blocks, head dims that are not multiples
+of 16, Dv != D, GQA/MQA, direct rows (decoding) over several key steps, rows that see no key,
+strided inputs inside NaN buffers; plus its build, its switch and its thread independence.
+(test_backend_cpu.py runs its option x dtype matrix through the kernel too: ``block_size=native``.)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import jagged_sdpa
+from jagged_sdpa import Backend
+from jagged_sdpa.backends.cpu import native
+from cases import cu_of, in_nan_buffer
+from reference import attention_reference
+from tolerances import assert_close_lse, assert_close_packed
+
+CPU = Backend.CPU_FUSED
+LOWP = (torch.float16, torch.bfloat16)
+
+pytestmark = pytest.mark.skipif(native.library() is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the compiled kernel cannot be built here")
+
+# Long enough for several key blocks (64) and, with Q_CHUNK shrunk, several work items per
+# sequence; with empty query and key sequences, length 1 and 2 (direct rows), and Lq != Lk.
+Q_LENS = [130, 0, 1, 67, 2, 9, 200]
+K_LENS = [130, 5, 70, 0, 300, 140, 65]
+
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (40, 7)},
+    "causal_window": {"causal": True, "window_size": (70, 0)},
+    "softcap": {"softcap": 3.0},
+    "alibi_batch_causal": {"alibi_slopes": "per_batch_head", "causal": True},
+    "softcap_alibi_window": {"softcap": 2.0, "alibi_slopes": "per_head", "window_size": (90, 20)},
+}
+
+
+@pytest.fixture(params=["shipped_split", "small_split"])
+def split(request, monkeypatch):
+    """The shipped work split, and a tiny one: work items of 5 query rows (tails of every tile
+    size), direct rows up to 2 queries, direct steps of 24 keys."""
+    assert native.library() is not None, native.unavailable_reason()
+    if request.param == "small_split":
+        monkeypatch.setattr(native, "Q_CHUNK", 5)
+        monkeypatch.setattr(native, "DIRECT_KEYS", 24)
+    return request.param
+
+
+def _slopes(kind, batch, heads):
+    if kind == "per_head":
+        return torch.rand(heads) * 0.3
+    if kind == "per_batch_head":
+        return torch.rand(batch, heads) * 0.3
+    return None
+
+
+def _check(q_lens, k_lens, hq, hkv, d, dv, dtype, opts, wrap=lambda t: t):
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    k = torch.randn(sum(k_lens), hkv, d).to(dtype)
+    v = torch.randn(sum(k_lens), hkv, dv).to(dtype)
+    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), hq)
+    call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
+    out, lse = jagged_sdpa.varlen_attention(wrap(q), wrap(k), wrap(v), cu_q, cu_k, alibi_slopes=slopes,
+                                            return_lse=True, backend=CPU, **call)
+    ref_out, ref_lse = attention_reference(
+        q, k, v, cu_q, cu_k, scale=opts.get("softmax_scale"), causal=opts.get("causal", False),
+        alignment="bottom_right", window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+        alibi_slopes=slopes)
+    lowp = None
+    if dtype in LOWP:
+        lowp = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend=Backend.MATH, **call)
+    assert out.dtype == dtype and out.shape == (sum(q_lens), hq, dv)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q, lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_every_option_and_dtype_matches_reference(name, dtype, split):
+    _check(Q_LENS, K_LENS, 4, 2, 40, 40, dtype, OPTIONS[name])
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1), (6, 2)], ids=["mha", "mqa", "gqa3"])
+@pytest.mark.parametrize("dims", [(16, 16), (64, 64), (24, 40), (80, 8), (7, 3)], ids=lambda t: f"d{t[0]}_dv{t[1]}")
+def test_head_dims_and_gqa(heads, dims, split):
+    _check(Q_LENS, K_LENS, *heads, *dims, torch.float32, {"causal": True, "window_size": (100, -1)})
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_sdpa_njt_alignments_through_the_kernel(alignment, split):
+    q_lens, k_lens = [70, 1, 33], [70, 90, 20]
+    parts = lambda lens: [torch.randn(n, 2, 16) for n in lens]
+    qs, ks, vs = parts(q_lens), parts(k_lens), parts(k_lens)
+    njt = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged).transpose(1, 2)
+    out = jagged_sdpa.sdpa(njt(qs), njt(ks), njt(vs), is_causal=True, causal_alignment=alignment, backend=CPU)
+    ref, _ = attention_reference(torch.cat(qs), torch.cat(ks), torch.cat(vs), cu_of(q_lens), cu_of(k_lens),
+                                 causal=True, alignment=alignment)
+    assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(q_lens))
+
+
+def test_rows_that_see_no_key_are_zero_with_minus_inf_lse(split):
+    # Lq > Lk bottom-right: the first rows see no key; a window leaves rows empty in the middle.
+    out, lse = _check([9, 4, 120], [3, 0, 120], 2, 2, 16, 16, torch.float32, {"causal": True})
+    assert torch.isfinite(out).all()
+    assert (out[:6] == 0).all() and torch.isinf(lse[:, :6]).all() and (lse[:, :6] < 0).all()
+    assert (out[9:13] == 0).all() and (lse[:, 9:13] == float("-inf")).all()
+    out, lse = _check([100], [100], 2, 2, 16, 16, torch.float32, {"window_size": (-1, -1)})
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_strided_inputs_in_nan_buffers_are_never_read_outside(dtype, split):
+    for opts in ({}, {"causal": True, "window_size": (50, 3)}, {"softcap": 4.0, "alibi_slopes": "per_head"}):
+        _check(Q_LENS, K_LENS, 4, 2, 24, 24, dtype, opts, wrap=in_nan_buffer)
+
+
+def test_decode_rows_over_many_key_steps(split):
+    """Direct rows (one query each) with GQA and every option, one of them past 2 key steps."""
+    q_lens, k_lens = [1] * 5, [1, 40, 300, 77, 0]
+    for opts in OPTIONS.values():
+        _check(q_lens, k_lens, 8, 2, 64, 64, torch.float32, opts)
+
+
+def test_threads_do_not_change_a_bit(split):
+    q = torch.randn(sum(Q_LENS), 4, 32)
+    k = torch.randn(sum(K_LENS), 4, 32)
+    v = torch.randn(sum(K_LENS), 4, 32)
+    run = lambda: jagged_sdpa.varlen_attention(q, k, v, cu_of(Q_LENS), cu_of(K_LENS), causal=True,
+                                               return_lse=True, backend=CPU)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_gradients_flow_through_the_kernel_forward():
+    """The kernel's out and lse feed the torch-op backward: gradients match float64."""
+    q_lens, k_lens = [70, 3, 1], [70, 40, 9]
+    q = torch.randn(sum(q_lens), 2, 16, requires_grad=True)
+    k = torch.randn(sum(k_lens), 2, 16, requires_grad=True)
+    v = torch.randn(sum(k_lens), 2, 16, requires_grad=True)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), causal=True, softcap=5.0, backend=CPU)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, cu_of(q_lens), cu_of(k_lens), causal=True, alignment="bottom_right",
+                                 softcap=5.0)
+    ref.backward(grad.double())
+    assert_close_packed(q.grad, q64.grad, cu_seqlens=cu_of(q_lens), name="dq", grad=True)
+    assert_close_packed(k.grad, k64.grad, cu_seqlens=cu_of(k_lens), name="dk", grad=True)
+    assert_close_packed(v.grad, v64.grad, cu_seqlens=cu_of(k_lens), name="dv", grad=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# build and switch
+
+
+def test_switched_off_by_environment_falls_back_and_explains(monkeypatch):
+    monkeypatch.setenv("JAGGED_SDPA_NATIVE", "0")
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.unavailable_reason() == "disabled by JAGGED_SDPA_NATIVE=0"
+        x = torch.randn(11, 2, 8)
+        cu = cu_of([3, 8])
+        notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu).notes)
+        assert "compiled kernel not used (unavailable: disabled by JAGGED_SDPA_NATIVE=0)" in notes
+        out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend=CPU)
+        ref, _ = attention_reference(x, x, x, cu, cu)
+        assert_close_packed(out, ref, cu_seqlens=cu)
+    finally:
+        monkeypatch.delenv("JAGGED_SDPA_NATIVE")
+        native.reset()
+    assert native.library() is not None
+
+
+def test_missing_compiler_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    native.reset()
+    try:
+        assert native.library() is None
+        assert "no C++ compiler" in native.unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
+def test_builds_into_its_cache_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
+    native.reset()
+    try:
+        assert native.library() is not None
+        built = list(tmp_path.glob("attention-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        native.reset()
+        assert native.library() is not None
+        assert built[0].stat().st_mtime_ns == stamp and list(tmp_path.glob("*")) == built
+    finally:
+        monkeypatch.undo()
+        native.reset()

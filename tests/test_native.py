@@ -148,22 +148,63 @@ def test_threads_do_not_change_a_bit(split):
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
-def test_gradients_flow_through_the_kernel_forward():
-    """The kernel's out and lse feed the torch-op backward: gradients match float64."""
-    q_lens, k_lens = [70, 3, 1], [70, 40, 9]
-    q = torch.randn(sum(q_lens), 2, 16, requires_grad=True)
-    k = torch.randn(sum(k_lens), 2, 16, requires_grad=True)
-    v = torch.randn(sum(k_lens), 2, 16, requires_grad=True)
-    out = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), causal=True, softcap=5.0, backend=CPU)
+GRAD_Q_LENS = [130, 0, 1, 67, 9, 3]
+GRAD_K_LENS = [130, 5, 70, 0, 140, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_backward_matches_reference(name, dtype):
+    """The kernel's backward (several key blocks and row chunks of 64, GQA, D = 40) against float64."""
+    opts = OPTIONS[name]
+    hq, hkv, d = 4, 2, 40
+    q, k, v = (torch.randn(sum(lens), h, d).to(dtype).requires_grad_(True)
+               for lens, h in ((GRAD_Q_LENS, hq), (GRAD_K_LENS, hkv), (GRAD_K_LENS, hkv)))
+    slopes = _slopes(opts.get("alibi_slopes"), len(GRAD_Q_LENS), hq)
+    call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    cu_q, cu_k = cu_of(GRAD_Q_LENS), cu_of(GRAD_K_LENS)
+    assert native.backward_skip_reason(jagged_sdpa.explain(q, k, v, cu_q, cu_k, **call).spec) is None
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **call)
     grad = torch.randn_like(out)
     out.backward(grad)
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref, _ = attention_reference(q64, k64, v64, cu_of(q_lens), cu_of(k_lens), causal=True, alignment="bottom_right",
-                                 softcap=5.0)
+    ref, _ = attention_reference(q64, k64, v64, cu_q, cu_k, causal=opts.get("causal", False), alignment="bottom_right",
+                                 window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+                                 alibi_slopes=None if slopes is None else slopes.double())
     ref.backward(grad.double())
-    assert_close_packed(q.grad, q64.grad, cu_seqlens=cu_of(q_lens), name="dq", grad=True)
-    assert_close_packed(k.grad, k64.grad, cu_seqlens=cu_of(k_lens), name="dk", grad=True)
-    assert_close_packed(v.grad, v64.grad, cu_seqlens=cu_of(k_lens), name="dv", grad=True)
+    lowp = {}
+    if dtype in LOWP:  # the same call on MATH in the same dtype: the low-precision error allowed
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        jagged_sdpa.varlen_attention(q2, k2, v2, cu_q, cu_k, alibi_slopes=slopes, backend=Backend.MATH,
+                                     **call).backward(grad)
+        lowp = {"dq": q2.grad, "dk": k2.grad, "dv": v2.grad}
+    for name_, got, want, cu in (("dq", q.grad, q64.grad, cu_q), ("dk", k.grad, k64.grad, cu_k),
+                                 ("dv", v.grad, v64.grad, cu_k)):
+        assert got.dtype == dtype
+        assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True, lowp_ref=lowp.get(name_))
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (64, 64), (24, 40), (7, 3)], ids=lambda t: f"d{t[0]}_dv{t[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1)], ids=["mha", "mqa"])
+def test_backward_head_dims_gqa_and_nan_buffers(heads, dims):
+    hq, hkv = heads
+    d, dv = dims
+    q, k, v = (torch.randn(sum(lens), h, e) for lens, h, e in
+               ((GRAD_Q_LENS, hq, d), (GRAD_K_LENS, hkv, d), (GRAD_K_LENS, hkv, dv)))
+    leaves = [in_nan_buffer(t).requires_grad_(True) for t in (q, k, v)]
+    views = [t for t in leaves]
+    cu_q, cu_k = cu_of(GRAD_Q_LENS), cu_of(GRAD_K_LENS)
+    out = jagged_sdpa.varlen_attention(*views, cu_q, cu_k, causal=True, window_size=(50, -1), backend=CPU)
+    grad = in_nan_buffer(torch.randn(out.shape))
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, cu_q, cu_k, causal=True, alignment="bottom_right", window=(50, -1))
+    ref.backward(grad.double())
+    for name_, got, want, cu in (("dq", leaves[0].grad, q64.grad, cu_q), ("dk", leaves[1].grad, k64.grad, cu_k),
+                                 ("dv", leaves[2].grad, v64.grad, cu_k)):
+        assert torch.isfinite(got).all()
+        assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True)
 
 
 # ----------------------------------------------------------------------------------------------

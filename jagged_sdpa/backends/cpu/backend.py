@@ -215,6 +215,8 @@ class CpuFusedBackend(BackendImpl):
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
         spec = call.spec
+        if native.backward_skip_reason(spec) is None:
+            return native.backward(call, out, lse, grad_out)
         state = state if isinstance(state, _State) else _State(None, None)
         if state.lse_full is not None:
             lse = state.lse_full

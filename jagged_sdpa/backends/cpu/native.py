@@ -30,7 +30,7 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
@@ -58,6 +58,18 @@ class _Params(ctypes.Structure):
         ("window_left", ctypes.c_int64), ("window_right", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
         ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
+    ]
+
+
+class _GradParams(ctypes.Structure):
+    """Mirror of ``JsGradParams`` in attention.cpp."""
+
+    _fields_ = [
+        ("f", _Params), ("dout", ctypes.c_void_p), ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p),
+        ("dv", ctypes.c_void_p),
+        ("do_tok", ctypes.c_int64), ("do_head", ctypes.c_int64), ("dq_tok", ctypes.c_int64),
+        ("dq_head", ctypes.c_int64), ("dk_tok", ctypes.c_int64), ("dk_head", ctypes.c_int64),
+        ("dv_tok", ctypes.c_int64), ("dv_head", ctypes.c_int64),
     ]
 
 
@@ -130,6 +142,8 @@ def _load():
         raise NativeUnavailable(f"{path} has ABI {lib.js_abi_version()}, expected {ABI_VERSION}")
     lib.js_attention_forward.argtypes = [ctypes.POINTER(_Params)]
     lib.js_attention_forward.restype = ctypes.c_int
+    lib.js_attention_backward.argtypes = [ctypes.POINTER(_GradParams)]
+    lib.js_attention_backward.restype = ctypes.c_int
     return lib
 
 
@@ -175,9 +189,22 @@ def skip_reason(spec: AttnSpec) -> Optional[str]:
     return None
 
 
-def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
-    """Every sequence of ``call`` in one kernel call: out (total_q, Hq, Dv) and lse (Hq, total_q)."""
-    lib = library()
+# The backward keeps, per work item (one sequence and kv head), float32 copies of its query heads'
+# q, dO and dQ: above this many bytes per item the torch-op backward runs instead.
+BACKWARD_ITEM_BYTES = 256 << 20
+
+
+def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
+    """None when the compiled kernel runs this call's backward, else why not."""
+    why = skip_reason(spec)
+    if why is None:
+        per_item = spec.gqa_group * spec.max_seqlen_q * (2 * spec.head_dim + spec.head_dim_v) * 4
+        if per_item > BACKWARD_ITEM_BYTES:
+            why = f"a sequence's backward scratch would take {per_item >> 20} MiB"
+    return why
+
+
+def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     ranges = call.key_ranges_host()
@@ -188,8 +215,9 @@ def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
     slopes = None
     if call.alibi_slopes is not None:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
+    keep += [cu_q, k_start, len_k, slopes]  # alive until the kernel returns
     left, right = spec.window
-    p = _Params(
+    return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         cu_q.data_ptr(), k_start.data_ptr(), len_k.data_ptr(),
         slopes.data_ptr() if slopes is not None else None,
@@ -200,6 +228,26 @@ def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, _DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
     )
-    code = lib.js_attention_forward(ctypes.byref(p))
+
+
+def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
+    """Every sequence of ``call`` in one kernel call: out (total_q, Hq, Dv) and lse (Hq, total_q)."""
+    keep: list = []
+    code = library().js_attention_forward(ctypes.byref(_params(call, out, lse, keep)))
     if code:
         raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
+
+
+def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward)."""
+    lse = lse if lse.dtype == torch.float32 else lse.float()
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (call.q, call.k, call.v))
+    keep: list = []
+    g = _GradParams(_params(call, out, lse, keep), grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                    grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+                    dv.stride(0), dv.stride(1))
+    code = library().js_attention_backward(ctypes.byref(g))
+    if code:
+        raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
+    return dq, dk, dv

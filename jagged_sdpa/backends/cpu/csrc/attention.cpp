@@ -153,6 +153,18 @@ struct JsParams {
     int32_t q_chunk, direct_rows, direct_keys;
 };
 
+// The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
+// dq like q, dk like k, dv like v (any token and head strides, contiguous last dim), lse as
+// written by the forward. dq/dk/dv arrive zeroed; the kernel writes every row it owns.
+struct JsGradParams {
+    JsParams f;
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    int64_t do_tok, do_head, dq_tok, dq_head, dk_tok, dk_head, dv_tok, dv_head;
+};
+
 }  // extern "C"
 
 namespace {
@@ -194,10 +206,11 @@ struct RowRule {
     }
 };
 
-// S[RR rows][BK] = Qp[RR][D] . Kt[D][BK]. Kept out of line (like pv_tile): inlined into the
-// softmax code its 24 accumulators were spilled, at half the speed.
+// S[RR rows][BK] = A[RR][d] . Bt[d][BK] (A rows lda apart): q.k^T, and dO.v^T in the backward.
+// Kept out of line (like pv_tile): inlined into the softmax code its 24 accumulators were
+// spilled, at half the speed.
 template <int RR>
-__attribute__((noinline)) void qk_tile(const float* qp, int64_t d, const float* kt, float* s) {
+__attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
     vf acc[RR][4];
     for (int r = 0; r < RR; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = splat(0.f);
@@ -205,7 +218,7 @@ __attribute__((noinline)) void qk_tile(const float* qp, int64_t d, const float* 
         const float* krow = kt + e * BK;
         const vf k0 = loadu(krow), k1 = loadu(krow + W), k2 = loadu(krow + 2 * W), k3 = loadu(krow + 3 * W);
         for (int r = 0; r < RR; ++r) {
-            const vf qv = splat(qp[r * d + e]);
+            const vf qv = splat(qp[r * lda + e]);
             acc[r][0] += qv * k0;
             acc[r][1] += qv * k1;
             acc[r][2] += qv * k2;
@@ -242,7 +255,7 @@ template <int RR>
 void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t dvp, float* o, float* m, vf* lv,
           bool plain, const RowRule& rule, int64_t pos0) {
     alignas(64) float pb[RR * BK];
-    qk_tile<RR>(qp, d, kt, pb);
+    qk_tile<RR>(qp, d, d, kt, pb);
     float alpha[RR];
     for (int r = 0; r < RR; ++r) {
         float* row = pb + r * BK;
@@ -506,6 +519,255 @@ void run_all(const JsParams& p) {
     }
 }
 
+// ------------------------------------------------------------------------------------------
+// Backward (FlashAttention-2 order, without atomics): a work item is one (sequence, kv head), so
+// it owns its dK/dV rows outright and keeps dQ of its query heads in scratch. For each key block:
+// for each of its query heads, for chunks of BQ_BWD rows, recompute S = Q.K^T and P = exp(S - lse),
+// dP = dO.V^T, dS = P * (dP - delta) (times the softcap derivative); then dV += P^T.dO,
+// dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end).
+
+constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
+
+// Acc[RR keys][NV*W chunk] += X^T[RR keys][rows] . B[rows][chunk]: X is (rows x BK), keys j0..
+template <int RR, int NV>
+__attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
+                                        int64_t ldo) {
+    vf acc[RR][NV];
+    for (int k = 0; k < RR; ++k)
+        for (int c = 0; c < NV; ++c) acc[k][c] = loadu(acc_out + k * ldo + c * W);
+    for (int r = 0; r < rows; ++r) {
+        vf bb[NV];
+        for (int c = 0; c < NV; ++c) bb[c] = loadu(b + r * ldb + c * W);
+        for (int k = 0; k < RR; ++k) {
+            const vf xk = splat(x[r * BK + j0 + k]);
+            for (int c = 0; c < NV; ++c) acc[k][c] += xk * bb[c];
+        }
+    }
+    for (int k = 0; k < RR; ++k)
+        for (int c = 0; c < NV; ++c) storeu(acc_out + k * ldo + c * W, acc[k][c]);
+}
+
+template <int RR>
+void tpv_cols(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out, int64_t width) {
+    int64_t c = 0;
+    for (; c + 4 * W <= width; c += 4 * W) tpv_tile<RR, 4>(x, rows, j0, b + c, ldb, acc_out + c, width);
+    switch ((width - c) / W) {
+        case 3: tpv_tile<RR, 3>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
+        case 2: tpv_tile<RR, 2>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
+        case 1: tpv_tile<RR, 1>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
+        default: break;
+    }
+}
+
+// Acc[nk keys][width] += X^T . B over rows (all widths are multiples of W, rows padded with 0).
+void tpv(const float* x, int rows, int nk, const float* b, float* acc_out, int64_t width) {
+    int j = 0;
+    for (; j + R <= nk; j += R) tpv_cols<R>(x, rows, j, b, width, acc_out + j * width, width);
+    switch (nk - j) {
+        case 5: tpv_cols<5>(x, rows, j, b, width, acc_out + j * width, width); break;
+        case 4: tpv_cols<4>(x, rows, j, b, width, acc_out + j * width, width); break;
+        case 3: tpv_cols<3>(x, rows, j, b, width, acc_out + j * width, width); break;
+        case 2: tpv_cols<2>(x, rows, j, b, width, acc_out + j * width, width); break;
+        case 1: tpv_cols<1>(x, rows, j, b, width, acc_out + j * width, width); break;
+        default: break;
+    }
+}
+
+// O[RR rows][width] += X[RR][nk] . B[nk][width] (dQ += dS.K), in chunks of 4 vectors.
+template <int RR>
+void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
+    static const float ones[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+    int64_t c = 0;
+    for (; c + 4 * W <= width; c += 4 * W) pv_tile<RR, 4>(x, ones, nk, b + c, width, o + c);
+    switch ((width - c) / W) {
+        case 3: pv_tile<RR, 3>(x, ones, nk, b + c, width, o + c); break;
+        case 2: pv_tile<RR, 2>(x, ones, nk, b + c, width, o + c); break;
+        case 1: pv_tile<RR, 1>(x, ones, nk, b + c, width, o + c); break;
+        default: break;
+    }
+}
+
+template <int RR>
+void qk_rows(const float* a, int64_t lda, int64_t d, const float* bt, float* s) { qk_tile<RR>(a, lda, d, bt, s); }
+
+struct GradScratch {
+    std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
+    void fit(int64_t rows, int64_t dp, int64_t dvp) {
+        q.assign(rows * dp, 0.f);
+        dout.assign(rows * dvp, 0.f);
+        dq.assign(rows * dp, 0.f);
+        lse.resize(rows);
+        delta.resize(rows);
+        kt.resize(dp * BK);
+        vt.resize(dvp * BK);
+        kr.resize(BK * dp);
+        dk.resize(BK * dp);
+        dv.resize(BK * dvp);
+        p.resize(BQ_BWD * BK);
+        ds.resize(BQ_BWD * BK);
+        raw.resize(BQ_BWD * BK);
+    }
+};
+
+// Runs f<RR>(r) for RR = min(R, n - r) over r = 0, R, 2R, ... < n.
+#define JS_FOR_TILES(n, CALL)                           \
+    for (int r_ = 0; r_ < (n); r_ += R) {               \
+        const int rr_ = std::min(R, (n) - r_);          \
+        switch (rr_) {                                  \
+            case 6: CALL(6, r_); break;                 \
+            case 5: CALL(5, r_); break;                 \
+            case 4: CALL(4, r_); break;                 \
+            case 3: CALL(3, r_); break;                 \
+            case 2: CALL(2, r_); break;                 \
+            default: CALL(1, r_); break;                \
+        }                                               \
+    }
+
+template <class IO>
+void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
+    typedef typename IO::T T;
+    const JsParams& p = g.f;
+    const int64_t d = p.head_dim, dv = p.head_dim_v, dp = (d + W - 1) / W * W, dvp = (dv + W - 1) / W * W;
+    const int64_t group = p.heads_q / p.heads_kv;
+    const int64_t q0 = p.cu_q[b], len_q = p.cu_q[b + 1] - q0;
+    const int64_t len_k = p.len_k[b], k0 = p.k_start[b];
+    const int64_t shift = p.bottom_right ? len_k - len_q : 0;
+    if (len_q == 0 || len_k == 0) return;
+    const int64_t rows = group * len_q;  // scratch rows: query head g's row i at g * len_q + i
+    w.fit(rows, dp, dvp);
+    for (int64_t gi = 0; gi < group; ++gi) {
+        const int64_t h = hk * group + gi;
+        for (int64_t i = 0; i < len_q; ++i) {
+            const int64_t row = gi * len_q + i;
+            const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
+            const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
+            const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
+            for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
+            float delta = 0.f;
+            for (int64_t e = 0; e < dv; ++e) {
+                const float x = IO::ld(dos + e);
+                w.dout[row * dvp + e] = x;
+                delta += x * IO::ld(os + e);
+            }
+            w.delta[row] = delta;
+            const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
+            w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
+        }
+    }
+    for (int64_t kb = 0; kb < len_k; kb += BK) {
+        const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
+        // Rows that see any key of this block: a contiguous range (both bounds are monotone).
+        int64_t r_begin = len_q, r_end = 0;
+        for (int64_t i = 0; i < len_q; ++i) {
+            int64_t lo, hi;
+            key_range(p, i + shift, len_k, &lo, &hi);
+            if (hi > kb && lo < kb + nk && hi > lo) {
+                r_begin = std::min(r_begin, i);
+                r_end = i + 1;
+            }
+        }
+        if (r_begin >= r_end) continue;  // dK/dV rows of this block stay 0
+        std::fill(w.kt.begin(), w.kt.end(), 0.f);
+        std::fill(w.vt.begin(), w.vt.end(), 0.f);
+        std::fill(w.kr.begin(), w.kr.end(), 0.f);
+        for (int j = 0; j < nk; ++j) {
+            const T* ks = static_cast<const T*>(p.k) + (k0 + kb + j) * p.k_tok + hk * p.k_head;
+            const T* vs = static_cast<const T*>(p.v) + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+            for (int64_t e = 0; e < d; ++e) {
+                const float x = IO::ld(ks + e);
+                w.kt[e * BK + j] = x;
+                w.kr[j * dp + e] = x;
+            }
+            for (int64_t e = 0; e < dv; ++e) w.vt[e * BK + j] = IO::ld(vs + e);
+        }
+        std::fill(w.dk.begin(), w.dk.end(), 0.f);
+        std::fill(w.dv.begin(), w.dv.end(), 0.f);
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
+            const RowRule rule{p, kb, len_k, nk, slope};
+            for (int64_t c0 = r_begin; c0 < r_end; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, r_end - c0));
+                const int64_t base = gi * len_q + c0;  // scratch row of the chunk's first row
+                float* pb = w.p.data();
+                float* dsb = w.ds.data();
+#define JS_QK(RR, r) qk_rows<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
+                JS_FOR_TILES(n, JS_QK)
+#undef JS_QK
+#define JS_DP(RR, r) qk_rows<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
+                JS_FOR_TILES(n, JS_DP)
+#undef JS_DP
+                for (int r = 0; r < n; ++r) {
+                    float* srow = pb + r * BK;
+                    float* dsrow = dsb + r * BK;
+                    const int64_t pos = c0 + r + shift;
+                    float* rawrow = w.raw.data() + r * BK;
+                    if (p.softcap > 0.f) std::copy(srow, srow + BK, rawrow);
+                    rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
+                    const vf lse = splat(w.lse[base + r]);
+                    const vf delta = splat(w.delta[base + r]);
+                    for (int c = 0; c < BK / W; ++c) {
+                        const vf pr = vexp(loadu(srow + c * W) - lse);
+                        storeu(srow + c * W, pr);
+                        storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
+                    }
+                    if (p.softcap > 0.f)
+                        for (int j = 0; j < nk; ++j) {
+                            const float t = std::tanh(rawrow[j] / p.softcap);
+                            dsrow[j] *= 1.f - t * t;
+                        }
+                    for (int j = nk; j < BK; ++j) srow[j] = dsrow[j] = 0.f;
+                }
+                tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
+                tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
+#define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
+                JS_FOR_TILES(n, JS_DQ)
+#undef JS_DQ
+            }
+        }
+        for (int j = 0; j < nk; ++j) {
+            T* dks = static_cast<T*>(g.dk) + (k0 + kb + j) * g.dk_tok + hk * g.dk_head;
+            T* dvs = static_cast<T*>(g.dv) + (k0 + kb + j) * g.dv_tok + hk * g.dv_head;
+            for (int64_t e = 0; e < d; ++e) dks[e] = IO::st(w.dk[j * dp + e]);
+            for (int64_t e = 0; e < dv; ++e) dvs[e] = IO::st(w.dv[j * dvp + e]);
+        }
+    }
+    for (int64_t gi = 0; gi < group; ++gi) {
+        const int64_t h = hk * group + gi;
+        for (int64_t i = 0; i < len_q; ++i) {
+            T* dqs = static_cast<T*>(g.dq) + (q0 + i) * g.dq_tok + h * g.dq_head;
+            const float* src = w.dq.data() + (gi * len_q + i) * dp;
+            for (int64_t e = 0; e < d; ++e) dqs[e] = IO::st(src[e] * p.scale);
+        }
+    }
+}
+
+template <class IO>
+void grad_all(const JsGradParams& g) {
+    const JsParams& p = g.f;
+    struct Work {
+        int64_t b, hk, cost;
+    };
+    std::vector<Work> items;
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
+        if (len_q == 0 || p.len_k[b] == 0) continue;
+        for (int64_t hk = 0; hk < p.heads_kv; ++hk) items.push_back(Work{b, hk, len_q * (p.len_k[b] + 16)});
+    }
+    std::stable_sort(items.begin(), items.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+    int64_t total = 0;
+    for (const Work& it : items) total += it.cost;
+    int threads = std::max(1, p.threads);
+    if (total * p.head_dim < (int64_t(1) << 17) || items.size() < 2) threads = 1;
+    const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        GradScratch w;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) grad_item<IO>(g, items[i].b, items[i].hk, w);
+    }
+}
+
 }  // namespace
 
 extern "C" int js_attention_forward(const JsParams* p) {
@@ -518,4 +780,14 @@ extern "C" int js_attention_forward(const JsParams* p) {
     }
 }
 
-extern "C" int js_abi_version() { return 2; }
+extern "C" int js_attention_backward(const JsGradParams* g) {
+    if (g->f.heads_kv <= 0 || g->f.heads_q % g->f.heads_kv) return 1;
+    switch (g->f.dtype) {
+        case 0: grad_all<F32>(*g); return 0;
+        case 1: grad_all<F16>(*g); return 0;
+        case 2: grad_all<BF16>(*g); return 0;
+        default: return 2;
+    }
+}
+
+extern "C" int js_abi_version() { return 3; }

@@ -30,7 +30,7 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 3
+ABI_VERSION = 4
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
@@ -46,8 +46,8 @@ class _Params(ctypes.Structure):
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("k_start", ctypes.c_void_p),
-        ("len_k", ctypes.c_void_p), ("slopes", ctypes.c_void_p), ("slopes_batch_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("cu_k", ctypes.c_void_p),
+        ("seqused_k", ctypes.c_void_p), ("slopes", ctypes.c_void_p), ("slopes_batch_stride", ctypes.c_int64),
         ("batch", ctypes.c_int64), ("heads_q", ctypes.c_int64), ("heads_kv", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("head_dim_v", ctypes.c_int64),
         ("q_tok", ctypes.c_int64), ("q_head", ctypes.c_int64), ("k_tok", ctypes.c_int64), ("k_head", ctypes.c_int64),
@@ -182,7 +182,7 @@ def skip_reason(spec: AttnSpec) -> Optional[str]:
         return "dropout"
     if spec.paged:
         return "paged KV cache"
-    if not spec.lengths_known or not spec.last_dim_contiguous:
+    if not spec.lengths_known or not spec.last_dim_contiguous or spec.device_type != "cpu":
         return "lengths not on the host" if not spec.lengths_known else "last dim not contiguous"
     if library() is None:
         return f"unavailable: {_STATE.get('why') or 'disabled'}"
@@ -204,23 +204,25 @@ def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
     return why
 
 
+def _int32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
+    """The kernel's parameters; the checks already validated every length it reads."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
-    ranges = call.key_ranges_host()
-    cu_q = torch.tensor(call.cu_q_host if call.cu_q_host is not None else call.cu_seqlens_q.tolist(),
-                        dtype=torch.int64)
-    k_start = torch.tensor([s for s, _ in ranges], dtype=torch.int64)
-    len_k = torch.tensor([n for _, n in ranges], dtype=torch.int64)
+    cu_q, cu_k = _int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k)
+    used = None if call.seqused_k is None else _int32(call.seqused_k)
     slopes = None
     if call.alibi_slopes is not None:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
-    keep += [cu_q, k_start, len_k, slopes]  # alive until the kernel returns
+    keep += [cu_q, cu_k, used, slopes]  # alive until the kernel returns
     left, right = spec.window
     return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        cu_q.data_ptr(), k_start.data_ptr(), len_k.data_ptr(),
-        slopes.data_ptr() if slopes is not None else None,
+        cu_q.data_ptr(), cu_k.data_ptr(), None if used is None else used.data_ptr(),
+        None if slopes is None else slopes.data_ptr(),
         spec.heads_q if slopes is not None and slopes.dim() == 2 else 0,
         spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim, spec.head_dim_v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

@@ -134,9 +134,9 @@ struct JsParams {
     const void* v;
     void* out;
     float* lse;              // may be null
-    const int64_t* cu_q;     // (batch + 1,) query offsets into q/out
-    const int64_t* k_start;  // (batch,) first key row of each sequence
-    const int64_t* len_k;    // (batch,) keys of each sequence
+    const int32_t* cu_q;       // (batch + 1,) query offsets into q/out
+    const int32_t* cu_k;       // (batch + 1,) key offsets into k/v
+    const int32_t* seqused_k;  // (batch,) keys each sequence uses from its start, or null
     const float* slopes;     // ALiBi slopes, null when off
     int64_t slopes_batch_stride;  // 0 for (Hq,), Hq for (B, Hq)
     int64_t batch, heads_q, heads_kv, head_dim, head_dim_v;
@@ -168,6 +168,11 @@ struct JsGradParams {
 }  // extern "C"
 
 namespace {
+
+inline int64_t key_start(const JsParams& p, int64_t b) { return p.cu_k[b]; }
+inline int64_t key_count(const JsParams& p, int64_t b) {
+    return p.seqused_k ? p.seqused_k[b] : p.cu_k[b + 1] - p.cu_k[b];
+}
 
 struct Item {
     int32_t b, h, row0, rows;
@@ -315,7 +320,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     const int64_t d = p.head_dim, dv = p.head_dim_v, heads = p.heads_q, group = p.heads_q / p.heads_kv;
     const int64_t row = p.cu_q[b] + r;
     const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-    const int64_t len_k = p.len_k[b], k0 = p.k_start[b];
+    const int64_t len_k = key_count(p, b), k0 = key_start(p, b);
     const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
     const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
     const T* q = static_cast<const T*>(p.q) + row * p.q_tok;
@@ -379,18 +384,24 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     }
 }
 
+// Per thread, sized for what its items need: a call of direct rows only (decoding) never
+// allocates the tiled path's buffers.
 struct Scratch {
     std::vector<float> q, kt, v, o, m, s, dl;
     std::vector<vf> l;
-    void fit(int64_t d, int64_t dvp, int64_t heads) {
-        const int64_t rows = std::max<int64_t>(QCHUNK, heads);
+    void fit_direct(int64_t d, int64_t dv, int64_t heads) {
+        q.resize(std::max<size_t>(q.size(), heads * d));
+        o.resize(std::max<size_t>(o.size(), heads * dv));
+        m.resize(std::max<size_t>(m.size(), heads));
         s.resize(heads * DIRECT_KEYS);
         dl.resize(heads);
-        q.resize(rows * d);
+    }
+    void fit_tiled(int64_t d, int64_t dvp) {
+        q.resize(std::max<size_t>(q.size(), QCHUNK * d));
+        o.resize(std::max<size_t>(o.size(), QCHUNK * dvp));
+        m.resize(std::max<size_t>(m.size(), QCHUNK));
         kt.resize(d * BK);
         v.resize(BK * dvp);
-        o.resize(rows * dvp);
-        m.resize(rows);
         l.resize(QCHUNK);
     }
 };
@@ -399,6 +410,7 @@ template <class IO>
 void run_item(const JsParams& p, const Item& it, Scratch& w) {
     typedef typename IO::T T;
     if (it.h < 0) {  // direct rows, all heads
+        w.fit_direct(p.head_dim, p.head_dim_v, p.heads_q);
         for (int r = 0; r < it.rows; ++r)
             direct_row<IO>(p, it.b, it.row0 + r, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data());
         return;
@@ -411,11 +423,12 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     const int64_t hk = it.h / (p.heads_q / p.heads_kv);
     const int64_t q0 = p.cu_q[it.b] + it.row0;  // first packed query row of the item
     const int64_t len_q = p.cu_q[it.b + 1] - p.cu_q[it.b];
-    const int64_t len_k = p.len_k[it.b], k0 = p.k_start[it.b];
+    const int64_t len_k = key_count(p, it.b), k0 = key_start(p, it.b);
     const int64_t pos0 = it.row0 + (p.bottom_right ? len_k - len_q : 0);  // aligned position of row 0
     const int rows = it.rows;
     const float slope = p.slopes ? p.slopes[it.b * p.slopes_batch_stride + it.h] : 0.f;
     const bool scored = p.softcap > 0.f || p.slopes;
+    w.fit_tiled(d, dvp);
 
     float* qp = w.q.data();
     float* kt = w.kt.data();
@@ -480,7 +493,7 @@ void run_all(const JsParams& p) {
     std::vector<Item> items;
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-        const int64_t len_k = p.len_k[b];
+        const int64_t len_k = key_count(p, b);
         const int64_t shift = p.bottom_right ? len_k - len_q : 0;
         if (len_q <= p.direct_rows) {
             int64_t lo, hi;
@@ -505,7 +518,6 @@ void run_all(const JsParams& p) {
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     int64_t total = 0;
     for (const Item& it : items) total += it.cost;
-    const int64_t dvp = (p.head_dim_v + W - 1) / W * W;
     int threads = std::max(1, p.threads);
     // A few thousand pairs are not worth waking a second thread.
     if (total * p.head_dim < (int64_t(1) << 18) || items.size() < 2) threads = 1;
@@ -513,7 +525,6 @@ void run_all(const JsParams& p) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         Scratch w;
-        w.fit(p.head_dim, dvp, p.heads_q);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) run_item<IO>(p, items[i], w);
     }
@@ -630,7 +641,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
     const int64_t d = p.head_dim, dv = p.head_dim_v, dp = (d + W - 1) / W * W, dvp = (dv + W - 1) / W * W;
     const int64_t group = p.heads_q / p.heads_kv;
     const int64_t q0 = p.cu_q[b], len_q = p.cu_q[b + 1] - q0;
-    const int64_t len_k = p.len_k[b], k0 = p.k_start[b];
+    const int64_t len_k = key_count(p, b), k0 = key_start(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
     const int64_t rows = group * len_q;  // scratch rows: query head g's row i at g * len_q + i
@@ -751,8 +762,8 @@ void grad_all(const JsGradParams& g) {
     std::vector<Work> items;
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-        if (len_q == 0 || p.len_k[b] == 0) continue;
-        for (int64_t hk = 0; hk < p.heads_kv; ++hk) items.push_back(Work{b, hk, len_q * (p.len_k[b] + 16)});
+        if (len_q == 0 || key_count(p, b) == 0) continue;
+        for (int64_t hk = 0; hk < p.heads_kv; ++hk) items.push_back(Work{b, hk, len_q * (key_count(p, b) + 16)});
     }
     std::stable_sort(items.begin(), items.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
     int64_t total = 0;
@@ -790,4 +801,4 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 3; }
+extern "C" int js_abi_version() { return 4; }

@@ -90,10 +90,12 @@ def test_every_option_and_dtype_matches_reference(name, dtype, split):
     _check(Q_LENS, K_LENS, 4, 2, 40, 40, dtype, OPTIONS[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 1), (6, 2)], ids=["mha", "mqa", "gqa3"])
 @pytest.mark.parametrize("dims", [(16, 16), (64, 64), (24, 40), (80, 8), (7, 3)], ids=lambda t: f"d{t[0]}_dv{t[1]}")
-def test_head_dims_and_gqa(heads, dims, split):
-    _check(Q_LENS, K_LENS, *heads, *dims, torch.float32, {"causal": True, "window_size": (100, -1)})
+def test_head_dims_and_gqa(heads, dims, dtype, split):
+    """Odd head dims and value dims that are not multiples of 16 (bf16 pairs elements: odd D pads)."""
+    _check(Q_LENS, K_LENS, *heads, *dims, dtype, {"causal": True, "window_size": (100, -1)})
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])

@@ -20,6 +20,13 @@
 #include <vector>
 
 #include <omp.h>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define JS_BF16_DOT 1  // bf16 inputs multiply as bf16 pairs (vdpbf16ps), accumulating in float32
+#else
+#define JS_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -253,15 +260,11 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
         for (int c = 0; c < NV; ++c) storeu(o + r * dvp + c * W, acc[r][c]);
 }
 
-// One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
-// update of (m, l), then O = alpha * O + P.V. plain: every row sees the whole block and no
-// softcap/ALiBi applies (no per-score rule).
+// The online-softmax update of RR rows of scores in pb (RR x BK), in place: P = exp(S - m_new),
+// l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
+// plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
 template <int RR>
-void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t dvp, float* o, float* m, vf* lv,
-          bool plain, const RowRule& rule, int64_t pos0) {
-    alignas(64) float pb[RR * BK];
-    qk_tile<RR>(qp, d, d, kt, pb);
-    float alpha[RR];
+inline void softmax_rows(float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule, int64_t pos0) {
     for (int r = 0; r < RR; ++r) {
         float* row = pb + r * BK;
         if (!plain) rule.apply(row, pos0 + r);
@@ -283,6 +286,17 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
         }
         lv[r] = lv[r] * splat(alpha[r]) + sum;
     }
+}
+
+// One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
+// update of (m, l), then O = alpha * O + P.V.
+template <int RR>
+void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t dvp, float* o, float* m, vf* lv,
+          bool plain, const RowRule& rule, int64_t pos0) {
+    alignas(64) float pb[RR * BK];
+    qk_tile<RR>(qp, d, d, kt, pb);
+    float alpha[RR];
+    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
     const int nk = rule.nk;
     int64_t c = 0;
     for (; c + 4 * W <= dvp; c += 4 * W) pv_tile<RR, 4>(pb, alpha, nk, vp + c, dvp, o + c);
@@ -293,6 +307,86 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
         default: break;
     }
 }
+
+#if JS_BF16_DOT
+// bf16 tiles: products of bf16 pairs summed in float32 (vdpbf16ps), twice the FMA rate. Packed
+// K^T holds 32-bit words (k[j][2e], k[j][2e+1]) at [e][j]; packed V holds (v[2j][c], v[2j+1][c])
+// at [j][c]; q rows stay as given (unscaled: S is scaled in float32), P is rounded to bf16 for
+// P.V as flash attention does on GPUs.
+inline vf as_vf(__m512 x) { vf r; std::memcpy(&r, &x, sizeof r); return r; }
+inline __m512 as_m512(vf x) { __m512 r; std::memcpy(&r, &x, sizeof r); return r; }
+inline __m512bh load_bh(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bcast_pair(const uint16_t* p) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+}
+
+template <int RR>
+__attribute__((noinline)) void qk_tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* kt2,
+                                            float scale, float* s) {
+    __m512 acc[RR][4];
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < pairs; ++e) {
+        const uint32_t* krow = kt2 + e * BK;
+        const __m512bh k0 = load_bh(krow), k1 = load_bh(krow + W), k2 = load_bh(krow + 2 * W), k3 = load_bh(krow + 3 * W);
+        for (int r = 0; r < RR; ++r) {
+            const __m512bh qw = bcast_pair(qb + r * ldq + 2 * e);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qw, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qw, k1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], qw, k2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qw, k3);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * BK + c * W, _mm512_mul_ps(acc[r][c], sc));
+}
+
+template <int RR, int NV>
+__attribute__((noinline)) void pv_tile_bf16(const uint16_t* pbh, const float* alpha, int pairs, const uint16_t* vp2,
+                                            int64_t dvp, float* o) {
+    __m512 acc[RR][NV];
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c * W), _mm512_set1_ps(alpha[r]));
+    for (int j = 0; j < pairs; ++j) {
+        __m512bh vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = load_bh(vp2 + (j * dvp + c * W) * 2);
+        for (int r = 0; r < RR; ++r) {
+            const __m512bh pw = bcast_pair(pbh + r * BK + 2 * j);
+            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pw, vv[c]);
+        }
+    }
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * dvp + c * W, acc[r][c]);
+}
+
+template <int RR>
+void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* kt2, const uint16_t* vp2, int64_t dvp,
+               float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
+    alignas(64) float pb[RR * BK];
+    alignas(64) uint16_t pbh[RR * BK];
+    qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
+    float alpha[RR];
+    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    for (int r = 0; r < RR; ++r)
+        for (int c = 0; c < BK / (2 * W); ++c) {
+            const float* x = pb + r * BK + c * 2 * W;
+            _mm512_storeu_si512(pbh + r * BK + c * 2 * W,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
+        }
+    const int vpairs = (rule.nk + 1) / 2;
+    int64_t c = 0;
+    for (; c + 4 * W <= dvp; c += 4 * W) pv_tile_bf16<RR, 4>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
+    switch ((dvp - c) / W) {
+        case 3: pv_tile_bf16<RR, 3>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
+        case 2: pv_tile_bf16<RR, 2>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
+        case 1: pv_tile_bf16<RR, 1>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
+        default: break;
+    }
+}
+#endif
 
 // sum_e a[e] * b[e] over d elements: a is float32 (a packed query), b a row of the input.
 template <class IO>
@@ -396,6 +490,13 @@ struct Scratch {
         s.resize(heads * DIRECT_KEYS);
         dl.resize(heads);
     }
+    std::vector<uint16_t> qb, vp2;  // bf16 tiles: q rows, V pairs
+    std::vector<uint32_t> kt2;      // bf16 tiles: K^T pairs
+    void fit_bf16(int64_t pairs, int64_t dvp) {
+        qb.resize(std::max<size_t>(qb.size(), QCHUNK * 2 * pairs));
+        kt2.resize(pairs * BK);
+        vp2.resize(BK * dvp);
+    }
     void fit_tiled(int64_t d, int64_t dvp) {
         q.resize(std::max<size_t>(q.size(), QCHUNK * d));
         o.resize(std::max<size_t>(o.size(), QCHUNK * dvp));
@@ -436,9 +537,20 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     float* o = w.o.data();
     float* m = w.m.data();
     vf* lv = w.l.data();
+    constexpr bool bf16_dot = JS_BF16_DOT && std::is_same<IO, BF16>::value;
+    const int64_t pairs = (d + 1) / 2;  // bf16 tiles: q.k as pairs of elements
+    if (bf16_dot) w.fit_bf16(pairs, dvp);
+    uint16_t* qb = w.qb.data();
+    uint32_t* kt2 = w.kt2.data();
+    uint16_t* vp2 = w.vp2.data();
     for (int r = 0; r < rows; ++r) {
         const T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
-        for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
+        if (bf16_dot) {
+            std::memcpy(qb + r * 2 * pairs, src, d * sizeof(T));
+            if (d % 2) qb[r * 2 * pairs + d] = 0;
+        } else {
+            for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
+        }
         m[r] = -INFINITY;
         lv[r] = splat(0.f);
     }
@@ -449,6 +561,18 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
     for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
+        if (bf16_dot) {  // K^T as pairs (pairs x BK words), V as pairs of rows (BK/2 x Dvp x 2)
+            std::fill(kt2, kt2 + pairs * BK, 0u);
+            std::fill(vp2, vp2 + BK * dvp, static_cast<uint16_t>(0));
+            for (int j = 0; j < nk; ++j) {
+                const T* ksrc = k + (k0 + kb + j) * p.k_tok + hk * p.k_head;
+                for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt2 + (e / 2) * BK + j, ksrc + e, 4);
+                if (d % 2) kt2[(d / 2) * BK + j] = ksrc[d - 1];
+                const T* vsrc = v + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+                uint16_t* vdst = vp2 + (j / 2) * dvp * 2 + (j % 2);
+                for (int64_t e = 0; e < dv; ++e) vdst[2 * e] = vsrc[e];
+            }
+        } else {
         // Pack K^T (D x BK, zero past nk) and V (nk x Dvp, zero past Dv) of this block.
         for (int j = 0; j < nk; ++j) {
             const T* ksrc = k + (k0 + kb + j) * p.k_tok + hk * p.k_head;
@@ -460,6 +584,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         }
         if (nk < BK)
             for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
+        }
         const RowRule rule{p, kb, len_k, nk, slope};
         for (int r = 0; r < rows; r += R) {
             const int rr = std::min(R, rows - r);
@@ -469,6 +594,16 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
             if (hi_l <= kb || lo_f >= kb + nk) continue;  // no row of the tile sees this block
             const bool plain = !scored && nk == BK && lo_l <= kb && hi_f >= kb + BK;
             float* const args_o = o + r * dvp;
+#if JS_BF16_DOT
+            if (bf16_dot) {
+                switch (rr) {
+#define JS_TILE(n) case n: tile_bf16<n>(qb + r * 2 * pairs, 2 * pairs, pairs, kt2, vp2, dvp, args_o, m + r, lv + r, plain, rule, pos0 + r, p.scale); break;
+                    JS_TILE(6) JS_TILE(5) JS_TILE(4) JS_TILE(3) JS_TILE(2) JS_TILE(1)
+#undef JS_TILE
+                }
+                continue;
+            }
+#endif
             switch (rr) {
 #define JS_TILE(n) case n: tile<n>(qp + r * d, d, kt, vp, dvp, args_o, m + r, lv + r, plain, rule, pos0 + r); break;
                 JS_TILE(6) JS_TILE(5) JS_TILE(4) JS_TILE(3) JS_TILE(2) JS_TILE(1)

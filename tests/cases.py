@@ -50,3 +50,31 @@ def case_id(name, hq, hkv, d, dtype, causal=None, window=(-1, -1), extra=""):
     if extra:
         parts.append(extra)
     return "-".join(parts)
+
+
+def paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_first_block=False):
+    """A shuffled block table over a NaN-filled cache; returns the call pieces and packed K/V."""
+    need = [-(-n // block_size) for n in used]
+    width = max(need + [1])
+    num_blocks = sum(need) + 3
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    ids = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(used), width, dtype=torch.int32)
+    packed_k, packed_v = [], []
+    for b, n in enumerate(used):
+        row = [ids.pop() for _ in range(need[b])]
+        if shared_first_block and b > 0 and need[b] and need[0]:
+            row[0] = int(table[0, 0])
+        table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        kb = torch.randn(n, hkv, d).to(dtype)
+        vb = torch.randn(n, hkv, d).to(dtype)
+        for i in range(n):
+            blk = row[i // block_size]
+            if shared_first_block and b > 0 and i < block_size:
+                kb[i], vb[i] = k_cache[blk, i], v_cache[blk, i]
+            else:
+                k_cache[blk, i % block_size], v_cache[blk, i % block_size] = kb[i], vb[i]
+        packed_k.append(kb)
+        packed_v.append(vb)
+    return k_cache, v_cache, table, torch.tensor(used, dtype=torch.int32), torch.cat(packed_k), torch.cat(packed_v)

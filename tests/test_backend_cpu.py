@@ -13,7 +13,7 @@ import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import backend as cpu_backend
 from jagged_sdpa.backends.cpu import blocked, fused, native
-from cases import cu_of, in_nan_buffer
+from cases import cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -340,38 +340,10 @@ def test_sdpa_dense_kv_matches_reference():
     assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(lengths))
 
 
-def _paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_first_block=False):
-    """A shuffled block table over a NaN-filled cache; returns the call pieces and packed K/V."""
-    need = [-(-n // block_size) for n in used]
-    width = max(need + [1])
-    num_blocks = sum(need) + 3
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
-    ids = torch.randperm(num_blocks).tolist()
-    table = torch.zeros(len(used), width, dtype=torch.int32)
-    packed_k, packed_v = [], []
-    for b, n in enumerate(used):
-        row = [ids.pop() for _ in range(need[b])]
-        if shared_first_block and b > 0 and need[b] and need[0]:
-            row[0] = int(table[0, 0])
-        table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        kb = torch.randn(n, hkv, d).to(dtype)
-        vb = torch.randn(n, hkv, d).to(dtype)
-        for i in range(n):
-            blk = row[i // block_size]
-            if shared_first_block and b > 0 and i < block_size:
-                kb[i], vb[i] = k_cache[blk, i], v_cache[blk, i]
-            else:
-                k_cache[blk, i % block_size], v_cache[blk, i % block_size] = kb[i], vb[i]
-        packed_k.append(kb)
-        packed_v.append(vb)
-    return k_cache, v_cache, table, torch.tensor(used, dtype=torch.int32), torch.cat(packed_k), torch.cat(packed_v)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_paged_decode_few_queries_long_contexts(dtype):
     q_lens, used = [1, 1, 2, 1], [70, 1, 33, 0]
-    k_cache, v_cache, table, seqused, pk, pv = _paged_case(q_lens, used, 16, 2, 16, dtype)
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 16, 2, 16, dtype)
     q = torch.randn(sum(q_lens), 4, 16).to(dtype)
     out, lse = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, 2, 70, causal=True,
                                             block_table=table, seqused_k=seqused, return_lse=True)
@@ -385,7 +357,7 @@ def test_paged_decode_few_queries_long_contexts(dtype):
 
 def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
     q_lens, used = [3, 5, 2], [20, 9, 17]
-    k_cache, v_cache, table, seqused, pk, pv = _paged_case(q_lens, used, 8, 1, 8, torch.float64, shared_first_block=True)
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 1, 8, torch.float64, shared_first_block=True)
     k_cache = torch.nan_to_num(k_cache, nan=0.0).requires_grad_(True)
     v_cache = torch.nan_to_num(v_cache, nan=0.0).requires_grad_(True)
     q = torch.randn(sum(q_lens), 2, 8, dtype=torch.float64, requires_grad=True)

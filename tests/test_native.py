@@ -16,7 +16,7 @@ import torch
 import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import native
-from cases import cu_of, in_nan_buffer
+from cases import cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -148,6 +148,36 @@ def test_threads_do_not_change_a_bit(split):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap_alibi_window"])
+def test_paged_cache_prefill_and_decode(name, block_size, dtype, split):
+    """Keys read through a shuffled block table (NaN elsewhere, a block shared by two sequences):
+    prefill chunks, decode rows and an empty sequence in one call."""
+    opts = OPTIONS[name]
+    q_lens, used = [70, 1, 2, 1, 9], [150, 77, 40, 0, 9]
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, block_size, 2, 24, dtype,
+                                                          shared_first_block=True)
+    q = torch.randn(sum(q_lens), 4, 24).to(dtype)
+    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), 4)
+    call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    explained = jagged_sdpa.explain(q, k_cache, v_cache, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
+                                    **call)
+    assert native.skip_reason(explained.spec) is None
+    out, lse = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, alibi_slopes=slopes,
+                                            block_table=table, seqused_k=seqused, return_lse=True, backend=CPU,
+                                            **call)
+    ref_out, ref_lse = attention_reference(
+        q, pk, pv, cu_of(q_lens), cu_of(used), causal=opts.get("causal", False), alignment="bottom_right",
+        window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0), alibi_slopes=slopes)
+    lowp = None
+    if dtype == torch.bfloat16:
+        lowp = jagged_sdpa.varlen_attention(q, pk, pv, cu_of(q_lens), cu_of(used), alibi_slopes=slopes,
+                                            backend=Backend.MATH, **call)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
 
 
 GRAD_Q_LENS = [130, 0, 1, 67, 9, 3]

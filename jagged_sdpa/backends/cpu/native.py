@@ -30,7 +30,7 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
-ABI_VERSION = 4
+ABI_VERSION = 5
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
@@ -47,7 +47,9 @@ class _Params(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("lse", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("cu_k", ctypes.c_void_p),
-        ("seqused_k", ctypes.c_void_p), ("slopes", ctypes.c_void_p), ("slopes_batch_stride", ctypes.c_int64),
+        ("seqused_k", ctypes.c_void_p), ("block_table", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+        ("block_size", ctypes.c_int64), ("k_block", ctypes.c_int64), ("v_block", ctypes.c_int64),
+        ("slopes", ctypes.c_void_p), ("slopes_batch_stride", ctypes.c_int64),
         ("batch", ctypes.c_int64), ("heads_q", ctypes.c_int64), ("heads_kv", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("head_dim_v", ctypes.c_int64),
         ("q_tok", ctypes.c_int64), ("q_head", ctypes.c_int64), ("k_tok", ctypes.c_int64), ("k_head", ctypes.c_int64),
@@ -173,15 +175,13 @@ def reset() -> None:
 def skip_reason(spec: AttnSpec) -> Optional[str]:
     """None when the compiled kernel runs this call's forward, else why not (for ``explain``).
 
-    It takes packed (not paged) keys in fp32/fp16/bf16 with every option but dropout. float64 keeps
-    the torch engines (the kernel computes in float32), dropout keeps the blocked engine's
-    replayable draws, paged caches keep the per-sequence gathers."""
+    It takes packed keys or a paged cache in fp32/fp16/bf16 with every option but dropout. float64
+    keeps the torch engines (the kernel computes in float32), dropout keeps the blocked engine's
+    replayable draws."""
     if spec.dtype not in _DTYPES:
         return f"{str(spec.dtype).replace('torch.', '')}: the kernel computes in float32"
     if spec.dropout_p:
         return "dropout"
-    if spec.paged:
-        return "paged KV cache"
     if not spec.lengths_known or not spec.last_dim_contiguous or spec.device_type != "cpu":
         return "lengths not on the host" if not spec.lengths_known else "last dim not contiguous"
     if library() is None:
@@ -197,6 +197,8 @@ BACKWARD_ITEM_BYTES = 256 << 20
 def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
     """None when the compiled kernel runs this call's backward, else why not."""
     why = skip_reason(spec)
+    if why is None and spec.paged:
+        why = "paged KV cache: sequences may share cache blocks, whose dK/dV accumulate"
     if why is None:
         per_item = spec.gqa_group * spec.max_seqlen_q * (2 * spec.head_dim + spec.head_dim_v) * 4
         if per_item > BACKWARD_ITEM_BYTES:
@@ -212,20 +214,29 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
     """The kernel's parameters; the checks already validated every length it reads."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
-    cu_q, cu_k = _int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k)
+    cu_q = _int32(call.cu_seqlens_q)
+    cu_k = None if call.cu_seqlens_k is None else _int32(call.cu_seqlens_k)
     used = None if call.seqused_k is None else _int32(call.seqused_k)
+    table = None if call.block_table is None else _int32(call.block_table)
+    if table is not None:   # (num_blocks, block_size, Hkv, D): tokens, heads, blocks
+        k_tok, k_head, k_block, v_tok, v_head, v_block = k.stride(1), k.stride(2), k.stride(0), v.stride(1), \
+            v.stride(2), v.stride(0)
+    else:
+        k_tok, k_head, v_tok, v_head = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+        k_block = v_block = 0
     slopes = None
     if call.alibi_slopes is not None:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
-    keep += [cu_q, cu_k, used, slopes]  # alive until the kernel returns
+    keep += [cu_q, cu_k, used, table, slopes]  # alive until the kernel returns
+    ptr = lambda t: None if t is None else t.data_ptr()
     left, right = spec.window
     return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        cu_q.data_ptr(), cu_k.data_ptr(), None if used is None else used.data_ptr(),
-        None if slopes is None else slopes.data_ptr(),
+        cu_q.data_ptr(), ptr(cu_k), ptr(used), ptr(table), 0 if table is None else table.stride(0),
+        spec.block_size, k_block, v_block, ptr(slopes),
         spec.heads_q if slopes is not None and slopes.dim() == 2 else 0,
         spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim, spec.head_dim_v,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_tok, k_head, v_tok, v_head, out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1),
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, _DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,

@@ -144,6 +144,11 @@ struct JsParams {
     const int32_t* cu_q;       // (batch + 1,) query offsets into q/out
     const int32_t* cu_k;       // (batch + 1,) key offsets into k/v
     const int32_t* seqused_k;  // (batch,) keys each sequence uses from its start, or null
+    // A paged KV cache (forward only): k/v are (num_blocks, block_size, Hkv, D) with a block stride
+    // k_block/v_block, key j of sequence b lives in block block_table[b * bt_stride + j / block_size];
+    // cu_k is then null and seqused_k gives the lengths.
+    const int32_t* block_table;
+    int64_t bt_stride, block_size, k_block, v_block;
     const float* slopes;     // ALiBi slopes, null when off
     int64_t slopes_batch_stride;  // 0 for (Hq,), Hq for (B, Hq)
     int64_t batch, heads_q, heads_kv, head_dim, head_dim_v;
@@ -177,6 +182,12 @@ struct JsGradParams {
 namespace {
 
 inline int64_t key_start(const JsParams& p, int64_t b) { return p.cu_k[b]; }
+
+// Element offset of key j of sequence b in k or v (tok and blk: that tensor's strides).
+inline int64_t key_offset(const JsParams& p, int64_t b, int64_t j, int64_t tok, int64_t blk) {
+    if (!p.block_table) return (p.cu_k[b] + j) * tok;
+    return p.block_table[b * p.bt_stride + j / p.block_size] * blk + (j % p.block_size) * tok;
+}
 inline int64_t key_count(const JsParams& p, int64_t b) {
     return p.seqused_k ? p.seqused_k[b] : p.cu_k[b + 1] - p.cu_k[b];
 }
@@ -414,7 +425,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     const int64_t d = p.head_dim, dv = p.head_dim_v, heads = p.heads_q, group = p.heads_q / p.heads_kv;
     const int64_t row = p.cu_q[b] + r;
     const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-    const int64_t len_k = key_count(p, b), k0 = key_start(p, b);
+    const int64_t len_k = key_count(p, b);
     const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
     const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
     const T* q = static_cast<const T*>(p.q) + row * p.q_tok;
@@ -430,7 +441,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     for (int64_t kb = lo; kb < hi; kb += step) {
         const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
         for (int j = 0; j < n; ++j) {
-            const T* krow = k + (k0 + kb + j) * p.k_tok;
+            const T* krow = k + key_offset(p, b, kb + j, p.k_tok, p.k_block);
             for (int64_t h = 0; h < heads; ++h) {
                 float x = dot<IO>(qv + h * d, krow + (h / group) * p.k_head, d);
                 if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
@@ -458,7 +469,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
             for (int64_t e = 0; e < dv; ++e) o[h * dv + e] *= alpha;
         }
         for (int j = 0; j < n; ++j) {
-            const T* vrow = v + (k0 + kb + j) * p.v_tok;
+            const T* vrow = v + key_offset(p, b, kb + j, p.v_tok, p.v_block);
             for (int64_t h = 0; h < heads; ++h) {
                 const T* vh = vrow + (h / group) * p.v_head;
                 float* oh = o + h * dv;
@@ -524,7 +535,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     const int64_t hk = it.h / (p.heads_q / p.heads_kv);
     const int64_t q0 = p.cu_q[it.b] + it.row0;  // first packed query row of the item
     const int64_t len_q = p.cu_q[it.b + 1] - p.cu_q[it.b];
-    const int64_t len_k = key_count(p, it.b), k0 = key_start(p, it.b);
+    const int64_t len_k = key_count(p, it.b);
     const int64_t pos0 = it.row0 + (p.bottom_right ? len_k - len_q : 0);  // aligned position of row 0
     const int rows = it.rows;
     const float slope = p.slopes ? p.slopes[it.b * p.slopes_batch_stride + it.h] : 0.f;
@@ -565,19 +576,19 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
             std::fill(kt2, kt2 + pairs * BK, 0u);
             std::fill(vp2, vp2 + BK * dvp, static_cast<uint16_t>(0));
             for (int j = 0; j < nk; ++j) {
-                const T* ksrc = k + (k0 + kb + j) * p.k_tok + hk * p.k_head;
+                const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
                 for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt2 + (e / 2) * BK + j, ksrc + e, 4);
                 if (d % 2) kt2[(d / 2) * BK + j] = ksrc[d - 1];
-                const T* vsrc = v + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+                const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
                 uint16_t* vdst = vp2 + (j / 2) * dvp * 2 + (j % 2);
                 for (int64_t e = 0; e < dv; ++e) vdst[2 * e] = vsrc[e];
             }
         } else {
         // Pack K^T (D x BK, zero past nk) and V (nk x Dvp, zero past Dv) of this block.
         for (int j = 0; j < nk; ++j) {
-            const T* ksrc = k + (k0 + kb + j) * p.k_tok + hk * p.k_head;
+            const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
             for (int64_t e = 0; e < d; ++e) kt[e * BK + j] = IO::ld(ksrc + e);
-            const T* vsrc = v + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+            const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
             float* vdst = vp + j * dvp;
             for (int64_t e = 0; e < dv; ++e) vdst[e] = IO::ld(vsrc + e);
             for (int64_t e = dv; e < dvp; ++e) vdst[e] = 0.f;
@@ -929,6 +940,7 @@ extern "C" int js_attention_forward(const JsParams* p) {
 
 extern "C" int js_attention_backward(const JsGradParams* g) {
     if (g->f.heads_kv <= 0 || g->f.heads_q % g->f.heads_kv) return 1;
+    if (g->f.block_table) return 3;  // shared cache blocks would need accumulated dK/dV
     switch (g->f.dtype) {
         case 0: grad_all<F32>(*g); return 0;
         case 1: grad_all<F16>(*g); return 0;
@@ -937,4 +949,4 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 4; }
+extern "C" int js_abi_version() { return 5; }

@@ -275,6 +275,32 @@ def test_missing_compiler_is_a_reason_not_an_error(monkeypatch, tmp_path):
         native.reset()
 
 
+def test_unwritable_cache_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(blocker / "cache"))
+    native.reset()
+    try:
+        assert native.library() is None
+        assert "cannot write the build cache" in native.unavailable_reason()
+        x = torch.randn(5, 1, 8)
+        cu = cu_of([2, 3])
+        out = jagged_sdpa.varlen_attention(x, x, x, cu, cu)  # the torch-op engines
+        assert_close_packed(out, attention_reference(x, x, x, cu, cu)[0], cu_seqlens=cu)
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
+def test_huge_head_dims_take_the_torch_engines():
+    x = torch.randn(6, 1, native.MAX_HEAD_DIM + 1)
+    cu = cu_of([2, 4])
+    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu).notes)
+    assert f"compiled kernel not used (head dim {native.MAX_HEAD_DIM + 1} > {native.MAX_HEAD_DIM})" in notes
+    out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True)
+    assert_close_packed(out, attention_reference(x, x, x, cu, cu, causal=True)[0], cu_seqlens=cu)
+
+
 def test_builds_into_its_cache_once(monkeypatch, tmp_path):
     monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
     native.reset()

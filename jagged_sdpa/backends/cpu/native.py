@@ -40,6 +40,10 @@ Q_CHUNK = 256
 DIRECT_ROWS = 2
 DIRECT_KEYS = 256
 
+# Per-thread scratch grows with the head dims (256 query rows of D floats): beyond this the
+# torch-op engines, which need no scratch, run instead.
+MAX_HEAD_DIM = 1024
+
 
 class _Params(ctypes.Structure):
     """Mirror of ``JsParams`` in attention.cpp, field for field."""
@@ -116,9 +120,12 @@ def _build() -> Path:
     target = cache_dir() / f"attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot write the build cache {target.parent} ({exc}); set JAGGED_SDPA_CACHE") from None
     try:
         proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if proc.returncode:
@@ -182,6 +189,8 @@ def skip_reason(spec: AttnSpec) -> Optional[str]:
         return f"{str(spec.dtype).replace('torch.', '')}: the kernel computes in float32"
     if spec.dropout_p:
         return "dropout"
+    if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
+        return f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}"
     if not spec.lengths_known or not spec.last_dim_contiguous or spec.device_type != "cpu":
         return "lengths not on the host" if not spec.lengths_known else "last dim not contiguous"
     if library() is None:

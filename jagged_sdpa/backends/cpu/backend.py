@@ -1,14 +1,15 @@
 """CPU_FUSED: the fast CPU path, chosen automatically for CPU tensors; takes every option.
 
-The forward runs our compiled kernel (``native.py``: one call for the whole batch) whenever it can:
-fp32/fp16/bf16, packed keys, no dropout. Otherwise, and for every backward, per sequence it picks
-one torch-op engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or blocked
-matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the fused
-kernel cannot take); both walk a sequence in blocks of query rows that see only their visible
-keys. Without grad, one-query rows take the decode engine (``decode.py``) and short sequences are
-padded into groups (``grouped.py``). The backward is our own (``native_autograd = False``): the
-fused kernel's backward, or the blocked recomputation, per sequence; ``state`` carries the dropout
-RNG state and, for float64, the lse at full precision.
+Forward and backward run our compiled kernel (``native.py``: one call for the whole batch) whenever
+it can: fp32/fp16/bf16 without dropout, packed keys, or a paged cache for the forward (its
+backward accumulates shared blocks here). Otherwise (float64, dropout, no C++ compiler, ...) per
+sequence it picks one torch-op engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or
+blocked matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the
+fused kernel cannot take); both walk a sequence in blocks of query rows that see only their
+visible keys. Without grad, one-query rows take the decode engine (``decode.py``) and short
+sequences are padded into groups (``grouped.py``). Their backward is our own too
+(``native_autograd = False``): the fused kernel's backward, or the blocked recomputation, per
+sequence; ``state`` carries the dropout RNG state and, for float64, the lse at full precision.
 """
 
 from __future__ import annotations
@@ -119,11 +120,11 @@ class CpuFusedBackend(BackendImpl):
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
         notes=(
-            "forward in fp32/fp16/bf16 without dropout: our compiled kernel (built on first use; needs a "
-            "C++ compiler). Otherwise, and backward: fp32/fp64/fp16: PyTorch's fused CPU flash kernel per "
-            "block of query rows; bf16, softcap "
-            "and dropout: blocked matmuls; decode rows (one query, no grad): elementwise passes over "
-            "key chunks; short sequences without grad: padded groups",
+            "fp32/fp16/bf16 without dropout: our compiled kernel, forward and backward (built on first "
+            "use; needs a C++ compiler; paged caches: forward). Otherwise: fp32/fp64/fp16: PyTorch's fused "
+            "CPU flash kernel per block of query rows; bf16, softcap and dropout: blocked matmuls; decode "
+            "rows (one query, no grad): elementwise passes over key chunks; short sequences without grad: "
+            "padded groups",
         ),
     )
     native_autograd = False

@@ -1,4 +1,5 @@
-"""Engine 5: our compiled CPU forward (``csrc/attention.cpp``), built for this machine on first use.
+"""Engine 5: our compiled CPU kernel (``csrc/attention.cpp``), forward and backward, built for this
+machine on first use.
 
 Why compiled: every torch-op engine pays Python and dispatch per sequence, and PyTorch's fused CPU
 kernel runs MKL's AVX2 sgemm on this AMD CPU (89 GFLOP/s a core; AVX-512 FMAs reach ~190). One

@@ -1,17 +1,23 @@
-// Ragged attention forward on the CPU, compiled for this machine (native.py builds and binds it).
+// Ragged attention on the CPU, forward and backward, compiled for this machine (native.py builds
+// it with g++ -O3 -march=native -fopenmp on first use and binds it with ctypes).
 //
 // Why our own kernel: PyTorch's fused CPU kernel calls MKL sgemm, which on this AMD CPU runs its
-// AVX2 path (89 GFLOP/s a core against ~190 for AVX-512 FMAs), and every torch-op engine pays
-// Python and dispatch per sequence. Here one call walks every (sequence, head, block of query
-// rows) of a ragged batch on OpenMP threads (the same runtime as torch's), with register-tiled
-// micro-kernels written with GCC vector extensions (AVX-512 with -march=native on this machine,
-// portable elsewhere) and an online softmax over blocks of keys.
+// AVX2 path (89 GFLOP/s a core, where a register-only AVX-512 FMA loop reaches 335), and every
+// torch-op engine pays Python and dispatch per sequence. Here one call walks a whole ragged batch
+// on OpenMP threads (the same runtime as torch's), with register-tiled micro-kernels written with
+// GCC vector extensions (AVX-512 under -march=native here, narrower vectors elsewhere) and an
+// online softmax over blocks of 64 keys.
 //
 // Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
-// strides and a contiguous last dim; out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural
-// log, -inf for rows that see no key. Scores follow API.md's order: scale, softcap, ALiBi
-// (-slope * |i' - j|), masks (causal, window) on the aligned position i' = i + shift.
-// Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load).
+// strides and a contiguous last dim, or k/v as a paged cache read through a block table (forward);
+// out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
+// Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
+// window) on the aligned position i' = i + shift. Computation is float32 whatever the input dtype
+// (fp16/bf16 are widened exactly on load), except that bf16 forward tiles multiply bf16 pairs
+// (vdpbf16ps) where the CPU has AVX512-BF16.
+//
+// Sections: vector helpers; parameters; forward tiles (fp32, bf16); direct rows (decoding);
+// forward driver; backward; C entry points.
 
 #include <algorithm>
 #include <cmath>

@@ -277,6 +277,20 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
         for (int c = 0; c < NV; ++c) storeu(o + r * dvp + c * W, acc[r][c]);
 }
 
+// Calls f(NV, c) over a row of `width` floats (a multiple of W) in chunks of at most 4 vectors:
+// NV (a std::integral_constant) is the chunk's vector count, c its first column.
+template <class F>
+inline void column_chunks(int64_t width, F&& f) {
+    int64_t c = 0;
+    for (; c + 4 * W <= width; c += 4 * W) f(std::integral_constant<int, 4>{}, c);
+    switch ((width - c) / W) {
+        case 3: f(std::integral_constant<int, 3>{}, c); break;
+        case 2: f(std::integral_constant<int, 2>{}, c); break;
+        case 1: f(std::integral_constant<int, 1>{}, c); break;
+        default: break;
+    }
+}
+
 // The online-softmax update of RR rows of scores in pb (RR x BK), in place: P = exp(S - m_new),
 // l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
 // plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
@@ -314,15 +328,9 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
     qk_tile<RR>(qp, d, d, kt, pb);
     float alpha[RR];
     softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
-    const int nk = rule.nk;
-    int64_t c = 0;
-    for (; c + 4 * W <= dvp; c += 4 * W) pv_tile<RR, 4>(pb, alpha, nk, vp + c, dvp, o + c);
-    switch ((dvp - c) / W) {
-        case 3: pv_tile<RR, 3>(pb, alpha, nk, vp + c, dvp, o + c); break;
-        case 2: pv_tile<RR, 2>(pb, alpha, nk, vp + c, dvp, o + c); break;
-        case 1: pv_tile<RR, 1>(pb, alpha, nk, vp + c, dvp, o + c); break;
-        default: break;
-    }
+    column_chunks(dvp, [&](auto nv, int64_t c) {
+        pv_tile<RR, decltype(nv)::value>(pb, alpha, rule.nk, vp + c, dvp, o + c);
+    });
 }
 
 #if JS_BF16_DOT
@@ -394,14 +402,9 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
         }
     const int vpairs = (rule.nk + 1) / 2;
-    int64_t c = 0;
-    for (; c + 4 * W <= dvp; c += 4 * W) pv_tile_bf16<RR, 4>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
-    switch ((dvp - c) / W) {
-        case 3: pv_tile_bf16<RR, 3>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
-        case 2: pv_tile_bf16<RR, 2>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
-        case 1: pv_tile_bf16<RR, 1>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c); break;
-        default: break;
-    }
+    column_chunks(dvp, [&](auto nv, int64_t c) {
+        pv_tile_bf16<RR, decltype(nv)::value>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
+    });
 }
 #endif
 
@@ -691,6 +694,7 @@ void run_all(const JsParams& p) {
 // dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end).
 
 constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
+constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
 
 // Acc[RR keys][NV*W chunk] += X^T[RR keys][rows] . B[rows][chunk]: X is (rows x BK), keys j0..
 template <int RR, int NV>
@@ -713,14 +717,9 @@ __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const 
 
 template <int RR>
 void tpv_cols(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out, int64_t width) {
-    int64_t c = 0;
-    for (; c + 4 * W <= width; c += 4 * W) tpv_tile<RR, 4>(x, rows, j0, b + c, ldb, acc_out + c, width);
-    switch ((width - c) / W) {
-        case 3: tpv_tile<RR, 3>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
-        case 2: tpv_tile<RR, 2>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
-        case 1: tpv_tile<RR, 1>(x, rows, j0, b + c, ldb, acc_out + c, width); break;
-        default: break;
-    }
+    column_chunks(width, [&](auto nv, int64_t c) {
+        tpv_tile<RR, decltype(nv)::value>(x, rows, j0, b + c, ldb, acc_out + c, width);
+    });
 }
 
 // Acc[nk keys][width] += X^T . B over rows (all widths are multiples of W, rows padded with 0).
@@ -740,19 +739,10 @@ void tpv(const float* x, int rows, int nk, const float* b, float* acc_out, int64
 // O[RR rows][width] += X[RR][nk] . B[nk][width] (dQ += dS.K), in chunks of 4 vectors.
 template <int RR>
 void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
-    static const float ones[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-    int64_t c = 0;
-    for (; c + 4 * W <= width; c += 4 * W) pv_tile<RR, 4>(x, ones, nk, b + c, width, o + c);
-    switch ((width - c) / W) {
-        case 3: pv_tile<RR, 3>(x, ones, nk, b + c, width, o + c); break;
-        case 2: pv_tile<RR, 2>(x, ones, nk, b + c, width, o + c); break;
-        case 1: pv_tile<RR, 1>(x, ones, nk, b + c, width, o + c); break;
-        default: break;
-    }
+    column_chunks(width, [&](auto nv, int64_t c) {
+        pv_tile<RR, decltype(nv)::value>(x, kOnes, nk, b + c, width, o + c);
+    });
 }
-
-template <int RR>
-void qk_rows(const float* a, int64_t lda, int64_t d, const float* bt, float* s) { qk_tile<RR>(a, lda, d, bt, s); }
 
 struct GradScratch {
     std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
@@ -855,10 +845,10 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
                 const int64_t base = gi * len_q + c0;  // scratch row of the chunk's first row
                 float* pb = w.p.data();
                 float* dsb = w.ds.data();
-#define JS_QK(RR, r) qk_rows<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
+#define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
                 JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
-#define JS_DP(RR, r) qk_rows<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
+#define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
                 JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
                 for (int r = 0; r < n; ++r) {

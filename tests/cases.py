@@ -71,7 +71,7 @@ def paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_fir
         vb = torch.randn(n, hkv, d).to(dtype)
         for i in range(n):
             blk = row[i // block_size]
-            if shared_first_block and b > 0 and i < block_size:
+            if shared_first_block and b > 0 and i < min(block_size, used[0]):  # keys sequence 0 wrote
                 kb[i], vb[i] = k_cache[blk, i], v_cache[blk, i]
             else:
                 k_cache[blk, i % block_size], v_cache[blk, i % block_size] = kb[i], vb[i]

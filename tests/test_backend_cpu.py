@@ -13,7 +13,7 @@ import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import backend as cpu_backend
 from jagged_sdpa.backends.cpu import blocked, fused, native
-from cases import cu_of, in_nan_buffer, paged_case
+from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -57,14 +57,6 @@ def block_size(request, monkeypatch):
         monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
         monkeypatch.setattr(blocked, "MIN_ROWS", 4)
     return request.param
-
-
-def _slopes(kind, batch, heads):
-    if kind == "per_head":
-        return torch.rand(heads) * 0.5
-    if kind == "per_batch_head":
-        return torch.rand(batch, heads) * 0.5
-    return None
 
 
 def _inputs(q_lens, k_lens, hq, hkv, d, dv, dtype, requires_grad=False):
@@ -113,7 +105,7 @@ def test_forward_matches_reference(name, dtype, block_size):
     opts = OPTIONS[name]
     hq, hkv = 4, 2
     q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype)
-    slopes = _slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
     out, lse = _run(q, k, v, Q_LENS, K_LENS, opts, slopes)
     ref_out, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, opts, slopes)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (hq, sum(Q_LENS))
@@ -200,7 +192,7 @@ def test_backward_matches_reference(name, dtype, block_size):
     opts = OPTIONS[name]
     hq, hkv = 4, 2
     q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype, requires_grad=True)
-    slopes = _slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(Q_LENS), hq)
     out, _ = _run(q, k, v, Q_LENS, K_LENS, opts, slopes)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -528,7 +520,7 @@ def test_decode_rows_match_reference(name, dtype, decode_chunks):
     q_lens = [1] * len(DECODE_K_LENS)
     hq, hkv = 4, 2
     q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, 16, 16, dtype)
-    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), hq)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), hq)
     out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)
     assert decode_chunks == DECODE_K_LENS  # every row took the decode engine
     ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)

@@ -16,7 +16,7 @@ import torch
 import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import native
-from cases import cu_of, in_nan_buffer, paged_case
+from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -53,19 +53,11 @@ def split(request, monkeypatch):
     return request.param
 
 
-def _slopes(kind, batch, heads):
-    if kind == "per_head":
-        return torch.rand(heads) * 0.3
-    if kind == "per_batch_head":
-        return torch.rand(batch, heads) * 0.3
-    return None
-
-
 def _check(q_lens, k_lens, hq, hkv, d, dv, dtype, opts, wrap=lambda t: t):
     q = torch.randn(sum(q_lens), hq, d).to(dtype)
     k = torch.randn(sum(k_lens), hkv, d).to(dtype)
     v = torch.randn(sum(k_lens), hkv, dv).to(dtype)
-    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), hq)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), hq, high=0.3)
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
     out, lse = jagged_sdpa.varlen_attention(wrap(q), wrap(k), wrap(v), cu_q, cu_k, alibi_slopes=slopes,
@@ -161,7 +153,7 @@ def test_paged_cache_prefill_and_decode(name, block_size, dtype, split):
     k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, block_size, 2, 24, dtype,
                                                           shared_first_block=True)
     q = torch.randn(sum(q_lens), 4, 24).to(dtype)
-    slopes = _slopes(opts.get("alibi_slopes"), len(q_lens), 4)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), 4, high=0.3)
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     explained = jagged_sdpa.explain(q, k_cache, v_cache, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
                                     **call)
@@ -193,7 +185,7 @@ def test_backward_matches_reference(name, dtype):
     hq, hkv, d = 4, 2, 40
     q, k, v = (torch.randn(sum(lens), h, d).to(dtype).requires_grad_(True)
                for lens, h in ((GRAD_Q_LENS, hq), (GRAD_K_LENS, hkv), (GRAD_K_LENS, hkv)))
-    slopes = _slopes(opts.get("alibi_slopes"), len(GRAD_Q_LENS), hq)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(GRAD_Q_LENS), hq, high=0.3)
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     cu_q, cu_k = cu_of(GRAD_Q_LENS), cu_of(GRAD_K_LENS)
     assert native.backward_skip_reason(jagged_sdpa.explain(q, k, v, cu_q, cu_k, **call).spec) is None

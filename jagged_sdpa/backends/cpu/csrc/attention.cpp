@@ -643,6 +643,18 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     }
 }
 
+// Orders work items longest first (dynamic scheduling then balances the threads: LPT) and
+// returns the thread count: one when the whole call is under min_work (cost x head dim), where
+// waking a second thread costs more than it saves.
+template <class Work>
+int schedule(std::vector<Work>& items, const JsParams& p, int64_t min_work) {
+    std::stable_sort(items.begin(), items.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+    int64_t total = 0;
+    for (const Work& it : items) total += it.cost;
+    if (total * p.head_dim < min_work || items.size() < 2) return 1;
+    return std::max(1, p.threads);
+}
+
 template <class IO>
 void run_all(const JsParams& p) {
     std::vector<Item> items;
@@ -669,13 +681,7 @@ void run_all(const JsParams& p) {
                                      rows * (keys + 16)});
         }
     }
-    // Longest first: dynamic scheduling then balances the threads (LPT).
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-    int64_t total = 0;
-    for (const Item& it : items) total += it.cost;
-    int threads = std::max(1, p.threads);
-    // A few thousand pairs are not worth waking a second thread.
-    if (total * p.head_dim < (int64_t(1) << 18) || items.size() < 2) threads = 1;
+    const int threads = schedule(items, p, int64_t(1) << 18);
     const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -908,11 +914,7 @@ void grad_all(const JsGradParams& g) {
         if (len_q == 0 || key_count(p, b) == 0) continue;
         for (int64_t hk = 0; hk < p.heads_kv; ++hk) items.push_back(Work{b, hk, len_q * (key_count(p, b) + 16)});
     }
-    std::stable_sort(items.begin(), items.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
-    int64_t total = 0;
-    for (const Work& it : items) total += it.cost;
-    int threads = std::max(1, p.threads);
-    if (total * p.head_dim < (int64_t(1) << 17) || items.size() < 2) threads = 1;
+    const int threads = schedule(items, p, int64_t(1) << 17);
     const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {

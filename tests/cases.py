@@ -80,10 +80,10 @@ def paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_fir
     return k_cache, v_cache, table, torch.tensor(used, dtype=torch.int32), torch.cat(packed_k), torch.cat(packed_v)
 
 
-def alibi_slopes(kind, batch, heads, high=0.5):
+def alibi_slopes(kind, batch, heads, high=0.5, generator=None):
     """ALiBi slopes of the accepted shapes: kind None, "per_head" (Hq,) or "per_batch_head" (B, Hq)."""
     if kind == "per_head":
-        return torch.rand(heads) * high
+        return torch.rand(heads, generator=generator) * high
     if kind == "per_batch_head":
-        return torch.rand(batch, heads) * high
+        return torch.rand(batch, heads, generator=generator) * high
     return None

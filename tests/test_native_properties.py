@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import jagged_sdpa
 from jagged_sdpa.backends.cpu import native
-from cases import cu_of, in_nan_buffer, paged_case
+from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -102,12 +102,7 @@ def kernel_setup(case):
 
 
 def _slopes(case, gen):
-    batch, hq = len(case["q_lens"]), case["hq"]
-    if case["alibi"] == "per_head":
-        return torch.rand(hq, generator=gen) * 0.5
-    if case["alibi"] == "per_batch_head":
-        return torch.rand(batch, hq, generator=gen) * 0.5
-    return None
+    return alibi_slopes(case["alibi"], len(case["q_lens"]), case["hq"], generator=gen)
 
 
 def _options(case):
@@ -125,6 +120,17 @@ def _reference(q, k, v, cu_q, cu_k, case, slopes, **extra):
 def _lowp(t):
     """A lowp_ref for assert_close_packed: None for an empty tensor (nothing to widen by)."""
     return t if t is not None and t.numel() else None
+
+
+def _check_forward(out, lse, q, k, v, cu_q, cu_k, case, slopes, opts):
+    """out and lse of a kernel call against float64 (and MATH in the same dtype for the floor)."""
+    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, case, slopes)
+    lowp = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend="math", **opts)
+    assert out.dtype == case["dtype"] and out.shape == (q.shape[0], case["hq"], case["dv"])
+    assert lse.dtype == torch.float32 and lse.shape == (case["hq"], q.shape[0])
+    _check_empty_rows(out, lse, ref_lse)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q, lowp_ref=_lowp(lowp), fudge=FUDGE[case["dtype"]])
+    assert_close_lse(lse, ref_lse)
 
 
 def _check_empty_rows(out, lse, ref_lse):
@@ -156,13 +162,7 @@ def run_forward(case):
         assert native.skip_reason(spec) is None, native.skip_reason(spec)
         out, lse = jagged_sdpa.varlen_attention(qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, return_lse=True,
                                                 backend=CPU, **opts)
-    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, case, slopes)
-    lowp = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend="math", **opts)
-    assert out.dtype == dtype and out.shape == (sum(q_lens), hq, dv)
-    assert lse.dtype == torch.float32 and lse.shape == (hq, sum(q_lens))
-    _check_empty_rows(out, lse, ref_lse)
-    assert_close_packed(out, ref_out, cu_seqlens=cu_q, lowp_ref=_lowp(lowp), fudge=FUDGE[dtype])
-    assert_close_lse(lse, ref_lse)
+    _check_forward(out, lse, q, k, v, cu_q, cu_k, case, slopes, opts)
 
 
 @_settings(300)
@@ -277,13 +277,7 @@ def run_paged(case):
         out, lse = jagged_sdpa.varlen_attention(qa, k_cache, v_cache, cu_q, None, block_table=table,
                                                 seqused_k=seqused, alibi_slopes=slopes, return_lse=True,
                                                 backend=CPU, **opts)
-    ref_out, ref_lse = _reference(q, pk, pv, cu_q, cu_of(used), case, slopes)
-    lowp = jagged_sdpa.varlen_attention(q, pk.contiguous(), pv.contiguous(), cu_q, cu_of(used), alibi_slopes=slopes,
-                                        backend="math", **opts)
-    assert out.dtype == dtype and out.shape == (sum(q_lens), hq, dv)
-    _check_empty_rows(out, lse, ref_lse)
-    assert_close_packed(out, ref_out, cu_seqlens=cu_q, lowp_ref=_lowp(lowp), fudge=FUDGE[dtype])
-    assert_close_lse(lse, ref_lse)
+    _check_forward(out, lse, q, pk.contiguous(), pv.contiguous(), cu_q, cu_of(used), case, slopes, opts)
 
 
 @_settings(150)

@@ -60,7 +60,6 @@ def has(reasons, fragment: str) -> bool:
     {"heads_q": 32, "heads_kv": 4},                         # native GQA
     {"dropout_p": 0.1, "needs_grad": True, "return_lse": True},
     {"window": (16, 0)}, {"causal": False, "window": (8, 8)},
-    {"alibi": "per_head"}, {"alibi": "per_batch_head", "causal": False},
     {"seqused_k": True},
     {"paged": True, "block_size": 256, "seqused_k": True},
     {"capability": (9, 0)}, {"capability": (12, 0)},
@@ -80,11 +79,11 @@ def test_flash_takes(changes):
     ({"head_dim_v": 264}, "head_dim_v 264 > 256"),
     ({"device_type": "cpu"}, "device cpu not supported"),
     ({"softcap": 30.0}, "softcap 30 not supported"),
-    ({"alibi": "per_head", "needs_grad": True}, "alibi_slopes with a gradient needed"),
+    ({"alibi": "per_head"}, "alibi_slopes not supported"),  # compiled out of PyTorch's flash build
+    ({"alibi": "per_batch_head", "causal": False, "needs_grad": True}, "alibi_slopes not supported"),
     ({"seqused_k": True, "needs_grad": True}, "seqused_k with a gradient needed - aten._flash_attention_backward"),
     ({"entry": "sdpa", "alignment": "top_left"}, "causal_alignment top_left with Lq != Lk"),
     ({"entry": "sdpa", "alignment": "top_left", "causal": False, "window": (4, 4)}, "top_left with Lq != Lk"),
-    ({"entry": "sdpa", "alignment": "top_left", "causal": False, "alibi": "per_head"}, "top_left with Lq != Lk"),
     ({"paged": True, "block_size": 16, "seqused_k": True}, "paged block_size 16 not a multiple of 256"),
     ({"paged": True, "block_size": 256, "needs_grad": True}, "takes no block_table"),
     ({"paged": True, "block_size": 256, "head_dim": 60, "head_dim_v": 60}, "padding would copy the whole cache"),
@@ -120,9 +119,8 @@ def test_flash_reasons_for_arguments_this_torch_lacks(monkeypatch):
     old = frozenset({"query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
                      "is_causal", "return_debug_mask", "scale"})
     monkeypatch.setattr(cc, "op_arguments", lambda name: old)
-    reasons = flash(window=(8, 0), alibi="per_head", seqused_k=True)
+    reasons = flash(window=(8, 0), seqused_k=True)
     for feature in ("window_size needs aten._flash_attention_forward(window_size_left=...)",
-                    "alibi_slopes needs aten._flash_attention_forward(alibi_slopes=...)",
                     "seqused_k needs aten._flash_attention_forward(seqused_k=...)"):
         assert has(reasons, feature), reasons
     assert has(flash(paged=True, block_size=256), "paged kv cache needs aten._flash_attention_forward(block_table=...)")

@@ -3,8 +3,10 @@
 What the kernel is (PyTorch's copy of flash-attn 2, ``aten/src/ATen/native/transformers/cuda/
 flash_attn/flash_api.cpp``, ``mha_varlen_fwd``/``mha_varlen_bwd``): sm80 or newer, fp16/bf16,
 head dim <= 256 and a multiple of 8 (we zero-pad, and pad q/k/v to one common width so Dv != D
-works too), native GQA, causal and windows always bottom-right aligned, ALiBi in the forward
-only (the backward op takes no slopes), dropout from the default CUDA generator with its
+works too), native GQA, causal and windows always bottom-right aligned, no ALiBi (the op takes
+``alibi_slopes`` but PyTorch builds the kernel with ALiBi compiled out: "This flash attention
+build does not support alibi", measured on torch 2.11 / H100), dropout from the default CUDA
+generator with its
 (seed, offset) returned as ``rng_state``, ``seqused_k`` and a paged cache (``block_table``,
 block size a multiple of 256) in the forward only. lse is float32 (Hq, total_q) with +inf for
 rows that see no key (we report -inf, API.md); such rows' outputs are written as 0.
@@ -66,28 +68,10 @@ def _window_kwargs(spec: AttnSpec, max_k: int) -> dict:
     if spec.has_window:
         return {"window_size_left": spec.window[0], "window_size_right": spec.window[1]}
     swap_possible = (min(spec.max_seqlen_q, spec.total_q) == 1 and spec.heads_q > spec.heads_kv
-                     and spec.dropout_p == 0 and spec.alibi is None)
+                     and spec.dropout_p == 0)
     if swap_possible and (spec.return_lse or spec.total_q != spec.batch):
         return {"window_size_left": max(max_k, 1), "window_size_right": -1}
     return {}
-
-
-def runs_causal_kernel(spec: AttnSpec, window_kwargs: dict, max_k: int) -> bool:
-    """Whether mha_varlen_fwd picks its causal kernel: windows >= max_seqlen_k become -1, causal
-    sets the right window to 0, and "causal" is left < 0 with right == 0."""
-    left = window_kwargs.get("window_size_left", -1)
-    right = 0 if spec.causal else window_kwargs.get("window_size_right", -1)
-    left = -1 if left >= max_k else left
-    right = -1 if right >= max_k else right
-    return left < 0 and right == 0
-
-
-def _alibi_lse_correction(call: PackedCall, lse: Tensor) -> Tensor:
-    """flash-attn's alibi.h: the causal kernel adds slope * j (not -slope * |i' - j|). The softmax
-    is the same (the difference is constant per row) but the lse is slope * i' too large."""
-    geom = cc.query_geometry(call)
-    i_aligned = cc.aligned_query_position(geom, "bottom_right").to(torch.float32)
-    return lse - cc.slopes_per_row(call.alibi_slopes, geom) * i_aligned.unsqueeze(0)
 
 
 def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -118,10 +102,10 @@ class FlashVarlenBackend(BackendImpl):
         head_dim_max=256,
         min_capability=(8, 0),
         softcap=False,
-        alibi_backward=False,
+        alibi=False,  # compiled out of PyTorch's flash build (see the module docstring)
         paged=True,
         notes=(
-            "bottom-right causal/window/ALiBi; top-left only when every Lq == Lk",
+            "bottom-right causal/window; top-left only when every Lq == Lk",
             "head dims padded to a multiple of 8; Dv != D padded to one width",
             "seqused_k and paged KV (block size % 256 == 0) forward only",
         ),
@@ -133,7 +117,7 @@ class FlashVarlenBackend(BackendImpl):
 
     @classmethod
     def extra_reasons(cls, spec: AttnSpec):
-        positional = spec.causal or spec.has_window or spec.alibi is not None
+        positional = spec.causal or spec.has_window
         if spec.alignment == "top_left" and positional and not spec.equal_lengths:
             yield ("causal_alignment top_left with Lq != Lk (or lengths unknown) - flash aligns "
                    "bottom-right only; use bottom_right or equal lengths")
@@ -157,7 +141,6 @@ class FlashVarlenBackend(BackendImpl):
             (windowed, FORWARD_OP, "window_size_left", "window_size"),
             (windowed and spec.needs_grad, BACKWARD_OP, "window_size_left", "window_size backward"),
             (spec.seqused_k, FORWARD_OP, "seqused_k", "seqused_k"),
-            (spec.alibi is not None, FORWARD_OP, "alibi_slopes", "alibi_slopes"),
             (spec.paged, FORWARD_OP, "block_table", "paged kv cache"),
         )
         yield from cc.missing_argument_reasons(needed)
@@ -168,7 +151,7 @@ class FlashVarlenBackend(BackendImpl):
         width = padded_head_dim(spec)
         if width != spec.head_dim or width != spec.head_dim_v:
             notes.append(f"flash: q/k/v head dims zero-padded to {width}")
-        if spec.alignment == "top_left" and (spec.causal or spec.has_window or spec.alibi):
+        if spec.alignment == "top_left" and (spec.causal or spec.has_window):
             notes.append("flash: top-left run as bottom-right (every Lq == Lk)")
         return tuple(notes)
 
@@ -185,8 +168,6 @@ class FlashVarlenBackend(BackendImpl):
         kwargs = {"scale": spec.scale, **window_kwargs}
         if call.seqused_k is not None:
             kwargs["seqused_k"] = call.seqused_k.contiguous()
-        if call.alibi_slopes is not None:
-            kwargs["alibi_slopes"] = call.alibi_slopes.contiguous()
         if spec.paged:
             kwargs["block_table"] = call.block_table.contiguous()
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
@@ -200,8 +181,6 @@ class FlashVarlenBackend(BackendImpl):
         # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
         lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
         lse = lse.masked_fill(lse == math.inf, -math.inf)
-        if call.alibi_slopes is not None and runs_causal_kernel(spec, window_kwargs, max_k):
-            lse = _alibi_lse_correction(call, lse)
         return AttnOutput(out, lse, state)
 
     @classmethod

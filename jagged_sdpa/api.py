@@ -58,6 +58,9 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     alibi = inputs.validate_alibi(alibi_slopes, heads_q, batch, query.device)
 
     notes = []
+    if inputs.drops_everything(p):
+        p = 0.0
+        notes.append(inputs.DROPS_EVERYTHING_NOTE)
     kv_dense = not key.is_nested
     # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all);
     # read_host reads a tensor shared by several arguments (self-attention) once.
@@ -126,12 +129,13 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         kv_dense=kv_dense,
         causal=is_causal,
         alignment=alignment,
-        window=window,
+        window=inputs.effective_window(window, stats_q.max_seqlen, stats_k.max_seqlen),
         softcap=cap,
         alibi=alibi,
+        alibi_grad=alibi is not None and _needs_grad(alibi_slopes),
         dropout_p=p,
         scale=sm_scale,
-        needs_grad=_needs_grad(query, key, value),
+        needs_grad=_needs_grad(query, key, value, *([alibi_slopes] if alibi else [])),
         return_lse=False,
         last_dim_contiguous=layout.last_dim_contiguous(q_packed, k_packed, v_packed),
         row_stride_align=layout.row_stride_align(q_packed, k_packed, v_packed),
@@ -159,7 +163,8 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
         key = (id(offsets_host), packed.shape[0], given_max)  # offsets shared with an argument before
         stats = cu_of.get(key) if offsets_host is not None else None
         if stats is None:
-            stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max)
+            stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max,
+                                           f"{name}'s cached max seqlen")
             cu_of[key] = stats
         if offsets_host is None:
             layout.assert_cu_on_device(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
@@ -223,10 +228,17 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     with torch._C.DisableTorchFunctionSubclass():
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            inputs.validate_not_meta(name, x)
     chosen = choose(call.spec, forced, notes)
-    result = run(IMPLS[chosen], call)
+    out = _dropped(run(IMPLS[chosen], call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
-        return layout.packed_to_njt(result.out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+        return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+
+
+def _dropped(out: Tensor, dropout_p) -> Tensor:
+    """The output of a call whose dropout drops everything (``inputs.drops_everything``)."""
+    return out * 0 if inputs.drops_everything(dropout_p) else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,6 +257,10 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     window = inputs.validate_window(window_size)
     cap = inputs.validate_softcap(softcap, zero_means_off=True)
     p = inputs.validate_dropout(dropout_p)
+    notes = ()
+    if inputs.drops_everything(p):
+        p = 0.0
+        notes = (inputs.DROPS_EVERYTHING_NOTE,)
     sm_scale = inputs.validate_scale("softmax_scale", softmax_scale, q.shape[-1])
     batch = cu_seqlens_q.shape[0] - 1
     alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
@@ -254,7 +270,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
                                 [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
     host = layout.read_host(*to_read) if read else None
-    stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q)
+    stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q, "max_seqlen_q")
     if host is None:
         layout.assert_cu_on_device("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
     seqused_host = None
@@ -277,7 +293,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if host is not None and host[1] is host[0] and k.shape[0] == q.shape[0] and max_cu_k == max_q:
             stats_k = stats_q  # self-attention: the same cu_seqlens, read once, already validated
         else:
-            stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k)
+            stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k, "max_seqlen_k")
         cu_k_host = stats_k.cu_host
         if host is None:
             layout.assert_cu_on_device("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
@@ -308,12 +324,13 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         lengths_known=read,
         causal=causal,
         alignment="bottom_right",
-        window=window,
+        window=inputs.effective_window(window, stats_q.max_seqlen, stats_k.max_seqlen),
         softcap=cap,
         alibi=alibi,
+        alibi_grad=alibi is not None and _needs_grad(alibi_slopes),
         dropout_p=p,
         scale=sm_scale,
-        needs_grad=_needs_grad(q, k, v),
+        needs_grad=_needs_grad(q, k, v, *([alibi_slopes] if alibi else [])),
         return_lse=return_lse,
         last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
         row_stride_align=layout.row_stride_align(q, k, v),
@@ -324,7 +341,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
-    return call, forced, ()
+    return call, forced, notes
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
@@ -361,9 +378,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        inputs.validate_not_meta(name, x)
     chosen = choose(call.spec, forced, notes)
     result = run(IMPLS[chosen], call)
-    return (result.out, result.lse) if return_lse else result.out
+    out = _dropped(result.out, dropout_p)
+    return (out, result.lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------------------------

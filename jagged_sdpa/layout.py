@@ -68,13 +68,15 @@ def read_host(*tensors: Tensor) -> list[list[int]]:
     return [lists[next(i for i, u in enumerate(unique) if u is t)] for t in tensors]
 
 
-def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int]) -> SeqlenStats:
+def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int],
+                 max_name: str = "max_seqlen") -> SeqlenStats:
     """Validate host-read cumulative lengths and return their max and whether any is empty.
 
     ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then taken as
     the max, emptiness is assumed possible, and ``assert_cu_on_device`` queues the same checks). Contents must start at 0, never decrease and end at
     ``total``, and ``given_max`` may not be smaller than the real longest sequence: ValueError
-    otherwise, because a kernel must never see such offsets.
+    otherwise (naming ``max_name``, the argument the caller gave it as), because a kernel must
+    never see such offsets.
     """
     if host is None:
         return SeqlenStats(None, int(given_max), True)
@@ -90,7 +92,7 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
         raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
     real_max = max(lengths, default=0)
     if given_max is not None and given_max < real_max:
-        raise ValueError(f"max_seqlen for {name} is {given_max}, smaller than the longest sequence ({real_max})")
+        raise ValueError(f"{max_name} is {given_max}, smaller than the longest sequence in {name} ({real_max})")
     return SeqlenStats(tuple(host), real_max if given_max is None else int(given_max), any(n == 0 for n in lengths))
 
 
@@ -209,15 +211,27 @@ def packed_to_njt(out: Tensor, like: Tensor, cu_seqlens: Tensor, max_seqlen: int
     public ``nested_tensor_from_jagged(...).transpose(1, 2)`` costs ~110 us (two NJT dispatches).
     A result that needs a gradient takes the public path: only its view op records the backward.
     """
-    if like.lengths() is None:
-        offsets = like.offsets()
-        min_seqlen = getattr(like, "_maybe_min_seqlen", None)
-    else:
-        offsets = cu_seqlens.to(like.offsets().dtype)
-        min_seqlen = None
+    if like.lengths() is not None:
+        return _njt_with_holes_like(out, like, cu_seqlens, max_seqlen)
+    offsets = like.offsets()
+    min_seqlen = getattr(like, "_maybe_min_seqlen", None)
     if not out.requires_grad and direct_njt_works():
         return _direct_njt(out, offsets, min_seqlen, max_seqlen)
     return _public_njt(out, offsets, min_seqlen, max_seqlen)
+
+
+def _njt_with_holes_like(out: Tensor, like: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """An NJT with ``like``'s own offsets and lengths (holes included), as dense SDPA's output
+    shares its query's structure: packed row r of sequence b goes back to ``offsets[b] + r -
+    cu_seqlens[b]``; the holes hold zeros. Computed on the device (no sync), differentiable."""
+    offsets, lengths = like.offsets(), like.lengths()
+    n_values = like.transpose(1, 2).values().shape[0]
+    shift = torch.repeat_interleave((offsets[:-1] - cu_seqlens[:-1]).to(torch.int64), lengths.to(torch.int64),
+                                    output_size=out.shape[0])
+    dest = torch.arange(out.shape[0], device=out.device) + shift
+    values = out.new_zeros((n_values,) + tuple(out.shape[1:])).index_copy(0, dest, out)
+    njt = torch.nested.nested_tensor_from_jagged(values, offsets=offsets, lengths=lengths, max_seqlen=max_seqlen)
+    return njt.transpose(1, 2)
 
 
 def _public_njt(out: Tensor, offsets: Tensor, min_seqlen: Optional[int], max_seqlen: Optional[int]) -> Tensor:

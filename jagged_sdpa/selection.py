@@ -118,5 +118,20 @@ def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = (
             if forced is not None
             else "no backend can take this call"
         )
-        raise NoBackendError(explanation, header)
+        raise NoBackendError(explanation, header, _left_out_table(spec, explanation.order, forced))
     return explanation.chosen
+
+
+def _left_out_table(spec: AttnSpec, tried: tuple[Backend, ...], forced: Optional[Backend]) -> str:
+    """The backends a forced backend or ``use_backends`` kept out of a failed call, each with why
+    it was left out and its own reasons: the user sees what would have taken the call."""
+    left_out = [b for b in dict.fromkeys(DEFAULT_ORDER + tuple(Backend)) if b not in tried]
+    if not left_out:
+        return ""
+    because = f"not tried: backend={forced.value!r} forced" if forced is not None else (
+        f"not tried: left out by use_backends({', '.join(repr(b.value) for b in tried)})")
+    rows = ["  left out       could take it  why not"]
+    for b in left_out:
+        own = IMPLS[b].reasons(spec)
+        rows.append(f"  {b.value:<14} {'no' if own else 'yes':<14} {'; '.join((because, *own))}")
+    return "\n".join(rows)

@@ -46,6 +46,7 @@ class AttnSpec:
     window: tuple[int, int] = (-1, -1)    # (-1, -1) = unbounded
     softcap: float = 0.0                  # 0.0 = off
     alibi: Optional[str] = None           # None, "per_head" (Hq,), "per_batch_head" (B, Hq)
+    alibi_grad: bool = False              # the slopes themselves need a gradient
     dropout_p: float = 0.0
     scale: float = 1.0
     needs_grad: bool = False
@@ -84,7 +85,7 @@ class AttnSpec:
         if self.softcap:
             parts.append(f"softcap={self.softcap:g}")
         if self.alibi:
-            parts.append(f"alibi={self.alibi}")
+            parts.append(f"alibi={self.alibi}" + ("(grad)" if self.alibi_grad else ""))
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p:g}")
         if self.paged:

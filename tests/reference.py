@@ -63,7 +63,7 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
                 slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
                 i = torch.arange(len_q, device=q.device, dtype=torch.float64).unsqueeze(1) + shift
                 j = torch.arange(len_k, device=q.device, dtype=torch.float64).unsqueeze(0)
-                s = s - float(slope) * (i - j).abs()
+                s = s - slope.double().to(q.device) * (i - j).abs()  # differentiable in the slopes
             s = s.masked_fill(~keep, -math.inf)
             for i in range(len_q):
                 row = s[i]

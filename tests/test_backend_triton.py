@@ -182,6 +182,27 @@ def test_nan_tails_are_never_read():
     assert_close_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("lens_q, lens_k, hq, hkv, window", [
+    ([14], [1], 4, 2, (-1, -1)),          # issue 11.5: GQA-packed decode tile, rows 0-7 see no key
+    ([14, 9], [1, 0], 4, 2, (2, 0)),      # the same with a window and an empty key sequence
+    ([40, 3], [3, 1], 2, 2, (-1, -1)),    # per-head tiles whose band ends before key 0
+    ([30], [2], 4, 1, (0, 1)),            # MQA, window right of the diagonal
+], ids=["gqa-packed", "gqa-window-empty-k", "per-head", "mqa-window"])
+def test_rows_before_the_first_key_read_nothing(lens_q, lens_k, hq, hkv, window):
+    """Bottom-right causal with Lq > Lk: a tile whose band ends before key 0 has a negative upper
+    bound; every key range must stay inside [0, Lk), so keys in a NaN buffer are never read and
+    rows that see no key are written as 0 / lse -inf (not left unwritten)."""
+    q, k, v = (in_nan_buffer(x) for x in _tensors(lens_q, lens_k, hq, hkv, 24, 24, torch.float32, "cpu"))
+    q, k, v = (x.to(DEVICE) for x in (q, k, v))
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, window_size=window,
+                                            return_lse=True, backend="triton")
+    ref_out, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right", window=window)
+    assert not torch.isnan(out).any()
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    assert_close_lse(lse, ref_lse)
+
+
 def test_all_empty_batch():
     q, k, v = _tensors([0, 0], [0, 3], 2, 2, 16, 16, torch.float32)
     out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of([0, 0]).to(DEVICE), cu_of([0, 3]).to(DEVICE),

@@ -90,12 +90,18 @@ def test_no_host_read_on_accelerator_with_max_lengths(monkeypatch):
     assert call.spec.max_seqlen_q == 4 and not call.spec.lengths_known and call.spec.has_empty_k
 
 
-def test_packed_to_njt_with_holes_builds_new_offsets():
+def test_output_of_a_query_with_holes_shares_its_structure():
+    """Like dense SDPA, the output has the query's structure: its offsets, lengths and nested int
+    (holes hold zeros), so it composes with the query (e.g. a residual add)."""
     values = torch.randn(10, 2, 4)
     q = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 4, 8]),
                                                lengths=torch.tensor([2, 2])).transpose(1, 2)
     out = jagged_sdpa.sdpa(q, q, q)
+    assert out.offsets() is q.offsets() and out.lengths() is q.lengths() and out.shape == q.shape
     assert [t.shape[1] for t in out.unbind()] == [2, 2]
+    assert (q + out).shape == q.shape
+    values_out = out.transpose(1, 2).values()
+    assert values_out.shape == values.shape and not values_out[[2, 3, 6, 7]].any()
 
 
 def test_device_side_checks_catch_what_the_host_read_would():

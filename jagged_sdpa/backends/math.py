@@ -104,6 +104,7 @@ class MathBackend(BackendImpl):
         devices=frozenset({"cpu", "cuda", "xpu", "mps", "hpu"}),
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
+        alibi_slopes_grad=True,  # autograd differentiates the bias -slope * |i' - j| like any op
     )
     native_autograd = True
 
@@ -120,7 +121,10 @@ class MathBackend(BackendImpl):
             outs.append(out_b)
             lses.append(lse_b)
         if not outs:
-            out = call.q.new_zeros(0, spec.heads_q, spec.head_dim_v)
+            # No query row at all: an empty output that is still a function of q, k and v, so that
+            # backward runs (and gives zero gradients) as for any other batch.
+            anchor = (call.q.sum() + call.k.sum() + call.v.sum()).to(call.q.dtype)
+            out = anchor.expand(0, spec.heads_q, spec.head_dim_v)
             lse = torch.empty(spec.heads_q, 0, dtype=torch.float32, device=call.q.device)
         else:
             out = torch.cat(outs, dim=0)

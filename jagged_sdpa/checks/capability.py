@@ -40,6 +40,7 @@ class Capabilities:
     softcap: bool = True
     alibi: bool = True
     alibi_backward: bool = True
+    alibi_slopes_grad: bool = False   # differentiates the slopes themselves
     dropout: bool = True
     backward: bool = True
     lse: bool = True
@@ -97,6 +98,8 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield "alibi_slopes not supported"
     if spec.alibi and spec.needs_grad and caps.alibi and not caps.alibi_backward:
         yield "alibi_slopes with a gradient needed: backward has no alibi"
+    if spec.alibi_grad and caps.alibi and not caps.alibi_slopes_grad:
+        yield "alibi_slopes requires grad: no gradient for the slopes here (math computes it)"
     if spec.dropout_p and not caps.dropout:
         yield f"dropout_p {spec.dropout_p:g} not supported"
     if spec.needs_grad and not caps.backward:

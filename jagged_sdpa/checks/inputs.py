@@ -59,9 +59,26 @@ def validate_bool(name: str, x) -> None:
 def validate_dropout(dropout_p) -> float:
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not (0.0 <= float(dropout_p) <= 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     return float(dropout_p)
+
+
+def drops_everything(dropout_p: float) -> bool:
+    """dropout_p == 1 drops every probability. PyTorch's SDPA accepts it and returns
+    ``(P * 0) @ V``: zeros, NaN where P or V is NaN. We run the call without dropout (the lse does
+    not depend on dropout) and multiply the output by 0, which gives exactly that."""
+    return dropout_p == 1.0
+
+
+DROPS_EVERYTHING_NOTE = "dropout_p=1 drops every probability: run without dropout, output multiplied by 0"
+
+
+def validate_not_meta(name: str, x: Tensor) -> None:
+    """A call needs data: meta tensors (no storage) are refused before selection. ``explain``
+    takes them, which describes a call without allocating its tensors."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: attention needs data (explain() accepts meta tensors)")
 
 
 def validate_scale(name: str, scale, head_dim: int) -> float:
@@ -85,6 +102,18 @@ def validate_window(window_size) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
     return (int(left), int(right))
+
+
+def effective_window(window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """The window with every side that reaches past all keys written as -1 (unbounded).
+
+    The aligned position i' of any row lies in [-max_seqlen_q, max_seqlen_k), so a side
+    >= max_seqlen_q + max_seqlen_k can never exclude a key. Normalising it here means no kernel
+    sees a huge value (2**63 and beyond wrapped in int64 arithmetic) and every backend treats it
+    alike.
+    """
+    reach = max_seqlen_q + max_seqlen_k
+    return tuple(-1 if side >= reach else side for side in window)
 
 
 def validate_softcap(softcap, *, zero_means_off: bool) -> float:

@@ -221,6 +221,10 @@ def _attn_fwd(
     if NUM_SPLITS > 1:
         lo = tl.maximum(lo, split * split_size)
         hi = tl.minimum(hi, (split + 1) * split_size)
+    # A tile whose band ends before key 0 (e.g. bottom-right causal, Lq > Lk) gets hi < 0. Keep
+    # every bound >= 0: Triton's integer division truncates toward zero, so a negative hi made
+    # the interior range below start at a negative key and read before the sequence, unmasked.
+    hi = tl.maximum(hi, lo)
     lo = (lo // BLOCK_N) * BLOCK_N
     # Interior blocks [mid_lo, mid_hi), block-aligned inside [lo, hi), skip the mask.
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)

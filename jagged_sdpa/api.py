@@ -15,6 +15,7 @@ from jagged_sdpa import layout
 from jagged_sdpa._autograd import run
 from jagged_sdpa.backends import IMPLS, Backend
 from jagged_sdpa.checks import inputs
+from jagged_sdpa.checks.device import DeviceChecks
 from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
@@ -87,7 +88,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
 
     cu_of = {}  # int32 cu_seqlens and validated stats per offsets, for arguments that share them
-    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of)
+    checks = DeviceChecks()  # filled only when nothing is read on the host
+    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of, checks)
     if kv_dense:
         seq_k = size_k[2]
         k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
@@ -96,9 +98,9 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         cu_k = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_k
         stats_k = layout.SeqlenStats(tuple(b * seq_k for b in range(batch + 1)), seq_k, seq_k == 0 and batch > 0)
     else:
-        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of)
+        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of, checks)
         if "value" in njts:
-            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of)
+            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of, checks)
             if stats_v.cu_host is not None and _lengths(stats_v.cu_host) != _lengths(stats_k.cu_host):
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
@@ -143,6 +145,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
                       cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
+    checks.queue()
     return call, forced, tuple(notes)
 
 
@@ -156,7 +159,7 @@ def _equal_lengths(cu_q_host, cu_k_host) -> bool:
     return cu_q_host is not None and cu_k_host is not None and tuple(cu_q_host) == tuple(cu_k_host)
 
 
-def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
+def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of, checks):
     """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
@@ -167,8 +170,8 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
                                            f"{name}'s cached max seqlen")
             cu_of[key] = stats
         if offsets_host is None:
-            layout.assert_cu_on_device(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
-                                       f"{name}'s cached max seqlen")
+            checks.add_cu(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
+                          f"{name}'s cached max seqlen")
         offsets = njt.offsets()
         cu = cu_of.get(id(offsets))
         if cu is None:
@@ -271,8 +274,9 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                 [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
     host = layout.read_host(*to_read) if read else None
     stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q, "max_seqlen_q")
+    checks = DeviceChecks()  # filled only when nothing is read on the host
     if host is None:
-        layout.assert_cu_on_device("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
+        checks.add_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
     seqused_host = None
     if paged:
         num_blocks, block_size = k.shape[0], k.shape[1]
@@ -283,8 +287,8 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             rows = [host[1][b * width:(b + 1) * width] for b in range(batch)]
             inputs.validate_block_ids(rows, seqused_host, block_size, num_blocks)
         else:
-            layout.assert_lengths_on_device("seqused_k", seqused_k, torch.full_like(seqused_k, width * block_size), max_k)
-            layout.assert_block_ids_on_device(block_table, seqused_k, block_size, num_blocks)
+            checks.add_lengths("seqused_k", seqused_k, width * block_size, max_k)
+            checks.add_block_ids(block_table, seqused_k, block_size, num_blocks)
         cu_k_host = None
     else:
         block_size = 0
@@ -296,14 +300,13 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k, "max_seqlen_k")
         cu_k_host = stats_k.cu_host
         if host is None:
-            layout.assert_cu_on_device("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
+            checks.add_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
         if seqused_k is not None:
             if host is not None:
                 seqused_host = tuple(host[2])
                 stats_k = layout.lengths_stats("seqused_k", seqused_host, _lengths(cu_k_host), max_k)
             else:
-                segments = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-                layout.assert_lengths_on_device("seqused_k", seqused_k, segments, max_k)
+                checks.add_lengths("seqused_k", seqused_k, cu_seqlens_k, max_k)
                 stats_k = layout.SeqlenStats(None, max_k, True)
     spec = AttnSpec(
         entry="varlen",
@@ -341,6 +344,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
+    checks.queue()
     return call, forced, notes
 
 

@@ -73,7 +73,7 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
     """Validate host-read cumulative lengths and return their max and whether any is empty.
 
     ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then taken as
-    the max, emptiness is assumed possible, and ``assert_cu_on_device`` queues the same checks). Contents must start at 0, never decrease and end at
+    the max, emptiness is assumed possible, and ``checks.device`` queues the same checks). Contents must start at 0, never decrease and end at
     ``total``, and ``given_max`` may not be smaller than the real longest sequence: ValueError
     otherwise (naming ``max_name``, the argument the caller gave it as), because a kernel must
     never see such offsets.
@@ -115,38 +115,6 @@ def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], giv
     for n in host:
         cu.append(cu[-1] + n)
     return SeqlenStats(tuple(cu), real_max if given_max is None else int(given_max), any(n == 0 for n in host))
-
-
-def assert_cu_on_device(name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
-    """The checks ``seqlen_stats`` makes, queued on the device instead of read on the host.
-
-    Used when no host read happens (accelerator, max lengths given): ``torch._assert_async``
-    needs no sync, so CUDA-graph capture still works, and offsets a kernel must not see fail
-    loudly (a device-side assert, reported at the next sync) instead of giving wrong numbers.
-    """
-    lengths = cu[1:] - cu[:-1]
-    ok = (cu[0] == 0) & (cu[-1] == total)
-    if lengths.numel():
-        ok = ok & (lengths.min() >= 0) & (lengths.max() <= max_seqlen)
-    torch._assert_async(ok, f"{name} must start at 0, be non-decreasing, end at {total}, "
-                            f"and no sequence may be longer than {max_name}={max_seqlen}")
-
-
-def assert_lengths_on_device(name: str, lengths: Tensor, capacity: Tensor, max_seqlen: int) -> None:
-    """Device-side form of ``lengths_stats``: 0 <= lengths <= capacity and <= max_seqlen."""
-    if lengths.numel():
-        ok = (lengths.min() >= 0) & (lengths <= capacity).all() & (lengths.max() <= max_seqlen)
-        torch._assert_async(ok, f"{name} must be >= 0, within each sequence's capacity, and at most "
-                                f"max_seqlen_k={max_seqlen}")
-
-
-def assert_block_ids_on_device(block_table: Tensor, used: Tensor, block_size: int, num_blocks: int) -> None:
-    """Device-side form of ``validate_block_ids``: the entries a call reads name existing blocks."""
-    if block_table.numel():
-        needed = (used.to(torch.int64) + block_size - 1) // block_size
-        read = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < needed[:, None]
-        in_range = (block_table >= 0) & (block_table < num_blocks)
-        torch._assert_async((in_range | ~read).all(), f"block_table entries must be in [0, {num_blocks})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -211,6 +211,55 @@ def test_all_empty_batch():
 
 
 # ---------------------------------------------------------------------------------------------------
+# device-side input checks (checks/device.py): the Triton form agrees with the torch-op form
+
+
+def _device_check_cases():
+    """(adder, args, ok) triples: good and bad offsets, lengths and block tables."""
+    cu = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype)  # noqa: E731
+    table = torch.tensor([[0, 1, 9], [2, 7, -1]], dtype=torch.int32)
+    return [
+        ("add_cu", ("cu", cu([0, 3, 8]), 8, 5, "max"), True),
+        ("add_cu", ("cu", cu([0, 3, 8], torch.int64), 8, 5, "max"), True),   # NJT offsets are int64
+        ("add_cu", ("cu", cu([0]), 0, 0, "max"), True),                       # no sequence
+        ("add_cu", ("cu", cu([0, 0, 0]), 0, 0, "max"), True),
+        ("add_cu", ("cu", cu([1, 3, 8]), 8, 5, "max"), False),                # does not start at 0
+        ("add_cu", ("cu", cu([0, 3, 7]), 8, 5, "max"), False),                # does not end at total
+        ("add_cu", ("cu", cu([0, 5, 3, 8]), 8, 5, "max"), False),             # decreasing
+        ("add_cu", ("cu", cu([0, 3, 8]), 8, 4, "max"), False),                # longer than max
+        ("add_cu", ("cu", cu(list(range(0, 3001, 1))), 3000, 1, "max"), True),  # several blocks
+        ("add_cu", ("cu", cu(list(range(0, 3000, 1)) + [3002]), 3002, 1, "max"), False),
+        ("add_lengths", ("used", cu([4, 0, 9]), cu([0, 8, 8, 24]), 9), True),
+        ("add_lengths", ("used", cu([4, 1, 9]), cu([0, 8, 8, 24]), 9), False),  # above its capacity
+        ("add_lengths", ("used", cu([4, -1, 9]), 16, 9), False),
+        ("add_lengths", ("used", cu([4, 0, 9]), 16, 8), False),                 # above max_seqlen_k
+        ("add_lengths", ("used", cu([4, 0, 9]), 16, 9), True),
+        ("add_block_ids", (table, cu([8, 4]), 4, 8), True),        # 9, 7 and -1 are not read
+        ("add_block_ids", (table, cu([9, 4]), 4, 8), False),       # reads 9
+        ("add_block_ids", (table, cu([8, 8]), 4, 8), True),        # 7 < 8
+        ("add_block_ids", (table, cu([8, 9]), 4, 8), False),       # reads -1
+        ("add_block_ids", (table[:, :2], cu([0, 5]), 4, 7), False),  # reads 7
+    ]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter runs the Triton form on CPU tensors")
+def test_device_checks_triton_form_agrees_with_torch_ops():
+    from jagged_sdpa.checks import device
+
+    kernels = device._triton_kernels()
+    assert kernels is not None
+    for adder, args, ok in _device_check_cases():
+        checks = device.DeviceChecks()
+        getattr(checks, adder)(*args)
+        assert bool(device._flags_torch(checks).all()) == ok, (adder, args)
+        assert bool(device._flags_triton(checks, kernels).all()) == ok, (adder, args)
+    both = device.DeviceChecks()
+    for adder, args, _ in _device_check_cases()[:3]:
+        getattr(both, adder)(*args)
+    assert device._flags_triton(both, kernels).tolist() == [1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------------
 # paged KV cache and split-k decode
 
 

@@ -7,6 +7,7 @@ import torch
 
 import jagged_sdpa
 from jagged_sdpa import layout
+from jagged_sdpa.checks.device import DeviceChecks
 from jagged_sdpa.api import _prepare_sdpa, _prepare_varlen
 from cases import cu_of, njt, packed
 
@@ -104,23 +105,45 @@ def test_output_of_a_query_with_holes_shares_its_structure():
     assert values_out.shape == values.shape and not values_out[[2, 3, 6, 7]].any()
 
 
+def _queue(kind, *args):
+    checks = DeviceChecks()
+    getattr(checks, kind)(*args)
+    checks.queue()
+
+
 def test_device_side_checks_catch_what_the_host_read_would():
     """Without a host read (accelerator + max lengths) the same checks are queued on the device;
     on CPU tensors torch._assert_async raises at once, which lets us test them here."""
     good = cu_of([3, 5])
-    layout.assert_cu_on_device("cu_seqlens_q", good, 8, 5, "max_seqlen_q")
+    _queue("add_cu", "cu_seqlens_q", good, 8, 5, "max_seqlen_q")
     for bad, total, max_len in ((cu_of([3, 6]), 8, 6), (good, 8, 4), (torch.tensor([1, 3, 8], dtype=torch.int32), 8, 5),
                                 (torch.tensor([0, 5, 3, 8], dtype=torch.int32), 8, 5)):
         with pytest.raises(RuntimeError, match="cu_seqlens_q must start at 0"):
-            layout.assert_cu_on_device("cu_seqlens_q", bad, total, max_len, "max_seqlen_q")
+            _queue("add_cu", "cu_seqlens_q", bad, total, max_len, "max_seqlen_q")
     used = torch.tensor([4, 9], dtype=torch.int32)
-    layout.assert_lengths_on_device("seqused_k", used, torch.tensor([8, 16]), 9)
+    _queue("add_lengths", "seqused_k", used, cu_of([8, 16]), 9)
+    _queue("add_lengths", "seqused_k", used, 9, 9)
     with pytest.raises(RuntimeError, match="seqused_k must be >= 0"):
-        layout.assert_lengths_on_device("seqused_k", used, torch.tensor([8, 8]), 9)
+        _queue("add_lengths", "seqused_k", used, cu_of([8, 8]), 9)
+    with pytest.raises(RuntimeError, match="seqused_k must be >= 0"):
+        _queue("add_lengths", "seqused_k", used, 8, 9)
     table = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)
-    layout.assert_block_ids_on_device(table, torch.tensor([8, 4], dtype=torch.int32), 4, 4)  # [1, 1] unread
+    _queue("add_block_ids", table, torch.tensor([8, 4], dtype=torch.int32), 4, 4)  # [1, 1] unread
     with pytest.raises(RuntimeError, match="block_table entries must be in"):
-        layout.assert_block_ids_on_device(table, torch.tensor([8, 5], dtype=torch.int32), 4, 4)
+        _queue("add_block_ids", table, torch.tensor([8, 5], dtype=torch.int32), 4, 4)
+
+
+def test_device_checks_queue_one_assert_for_the_whole_call():
+    checks = DeviceChecks()
+    cu = cu_of([3, 5])
+    checks.add_cu("cu_seqlens_q", cu, 8, 5, "max_seqlen_q")
+    checks.add_cu("cu_seqlens_k", cu, 8, 5, "max_seqlen_k")  # the same tensor and bounds: checked once
+    checks.add_cu("cu_seqlens_k", cu_of([2, 2]), 4, 2, "max_seqlen_k")
+    assert len(checks.cu) == 2
+    checks.queue()
+    checks.add_cu("query.offsets()", cu_of([1, 9]), 10, 8, "query's cached max seqlen")
+    with pytest.raises(RuntimeError, match="no sequence may be longer than query's cached max seqlen=8"):
+        checks.queue()
 
 
 def test_no_read_path_with_seqused_k_builds_a_spec():

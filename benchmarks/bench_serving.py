@@ -50,6 +50,7 @@ from serving import (  # noqa: E402  (examples/serving.py: the simulated server;
     Workload,
     random_layer_inputs,
 )
+from jagged_sdpa import NoBackendError  # noqa: E402  (importable once serving.py set the path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +369,11 @@ def main(argv=None) -> int:
                        device=args.device)
 
     warm = Workload(requests=3, prompt_median=32, prompt_max=64, output_min=2, output_max=4)
-    simulate(args, shape, warm, measure=False)
+    try:
+        simulate(args, shape, warm, measure=False)
+    except NoBackendError as error:  # a forced --backend that cannot serve a paged cache
+        print(f"bench_serving: --backend {args.backend} cannot run this workload:\n{error}", file=sys.stderr)
+        return 2
     load_start = os.getloadavg()
     started = time.perf_counter()
     all_steps, decode_steps, chosen, steps = simulate(args, shape, workload, measure=True)

@@ -41,8 +41,8 @@ def _dims(d: int, dv: int) -> dict:
 
 def variants(quick: bool):
     """(name, kernel, data dtype, out dtype, constexprs, num_warps, num_stages)."""
-    paged_split = dict(PAGED=True, PAGE_SIZE=16, NUM_SPLITS=4, PACK_GQA=True)
-    packed = dict(PAGED=False, PAGE_SIZE=16, NUM_SPLITS=1, PACK_GQA=False)
+    paged_split = dict(PAGED=True, PAGE_SIZE=16, SPLIT_K=True, PACK_GQA=True)
+    packed = dict(PAGED=False, PAGE_SIZE=16, SPLIT_K=False, PACK_GQA=False)
     yield ("fwd every option, paged, split-k, gqa-packed, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
            {**ALL_ON, **_dims(128, 128), **paged_split, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
     yield ("bwd dk/dv every option, group split, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "fp32",

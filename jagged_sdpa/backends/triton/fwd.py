@@ -141,7 +141,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
 @triton.autotune(
     configs=fwd_configs(),
     key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
-         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "NUM_SPLITS", "PACK_GQA"],
+         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "SPLIT_K", "PACK_GQA"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["seed", "rng_offset"])
@@ -155,14 +155,15 @@ def _attn_fwd(
     stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
     stride_btb, stride_ab,                               # block table row, alibi batch (0 = per head)
     sm_scale, softcap, window_left, window_right,        # runtime scalars
-    dropout_p, seed, rng_offset, split_size,
+    dropout_p, seed, rng_offset, split_size, num_splits,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
     GROUP: tl.constexpr,                                 # Hq // Hkv
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr,                               # num_splits > 1 (a runtime value: no recompile per count)
     PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -170,8 +171,8 @@ def _attn_fwd(
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)                             # kv head with PACK_GQA, query head otherwise
     pid_z = tl.program_id(2)
-    b = tl.load(SeqOrder + pid_z // NUM_SPLITS)
-    split = pid_z % NUM_SPLITS
+    b = tl.load(SeqOrder + pid_z // num_splits)
+    split = pid_z % num_splits
     start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
     n_rows = len_q
     if PACK_GQA:
@@ -218,7 +219,7 @@ def _attn_fwd(
         hi = tl.minimum(q_last + shift + window_right + 1, len_k)
         full_lo = q_last + shift - window_left
         full_hi = q_first + shift + window_right + 1
-    if NUM_SPLITS > 1:
+    if SPLIT_K:
         lo = tl.maximum(lo, split * split_size)
         hi = tl.minimum(hi, (split + 1) * split_size)
     # A tile whose band ends before key 0 (e.g. bottom-right causal, Lq > Lk) gets hi < 0. Keep
@@ -332,14 +333,14 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
             *lse.stride(),
             stride_btb, stride_ab,
             spec.scale, spec.softcap or 1.0, left, right,
-            spec.dropout_p, rng[0], rng[1], split_size,
+            spec.dropout_p, rng[0], rng[1], split_size, num_splits,
             length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
             GROUP=group,
             HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
             BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
             HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
-            PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, NUM_SPLITS=num_splits,
+            PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, SPLIT_K=num_splits > 1,
             PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
         )
     if num_splits > 1:

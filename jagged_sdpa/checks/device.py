@@ -24,6 +24,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+MESSAGE_LIMIT = 255  # torch._assert_async: "Message length must be smaller than 255" (CUDA)
+
 
 @dataclass
 class DeviceChecks:
@@ -49,12 +51,12 @@ class DeviceChecks:
         self.block_ids.append((block_table, used, block_size, num_blocks))
 
     def message(self) -> str:
-        parts = [f"{name} must start at 0, be non-decreasing, end at {total}, and no sequence may be longer "
-                 f"than {max_name}={max_seqlen}" for name, _, total, max_seqlen, max_name in self.cu]
-        parts += [f"{name} must be >= 0, within each sequence's capacity, and at most max_seqlen_k={max_seqlen}"
-                  for name, _, _, max_seqlen in self.lengths]
-        parts += [f"block_table entries must be in [0, {num_blocks})" for *_, num_blocks in self.block_ids]
-        return "; ".join(parts)
+        """What failed, in the < 255 characters ``torch._assert_async`` accepts (CUDA refuses
+        longer messages outright): the arguments checked and the rules, without values."""
+        names = [c[0] for c in self.cu] + [c[0] for c in self.lengths] + ["block_table"] * bool(self.block_ids)
+        text = (f"jagged_sdpa: bad {', '.join(dict.fromkeys(names))}: offsets must start at 0, not decrease, end "
+                "at the packed length; lengths within capacity and the max seqlens given; block ids in range")
+        return text if len(text) < MESSAGE_LIMIT else text[:MESSAGE_LIMIT - 4] + "..."
 
     def queue(self) -> None:
         """Queue every check, with one assert; no host sync either way."""

@@ -208,6 +208,30 @@ def test_backward_matches_reference(name, dtype, block_size):
         assert_close_packed(got, ref, cu_seqlens=cu_of(cu), name=name_g, grad=True, lowp_ref=low, fudge=3.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("q_len, k_len, opts", [
+    (200, 1, {"causal": True}),                              # rows 0..198 see no key, row 199 sees key 0
+    (300, 5, {"causal": True}),
+    (300, 140, {"causal": True, "window_size": (3, 0)}),
+    (200, 60, {"window_size": (0, 0)}),                      # the first 140 rows see none
+    (260, 0, {"causal": True}),                              # no key at all
+], ids=["one_key_last_block", "lq_gt_lk", "causal_window", "diagonal_window", "no_keys"])
+def test_backward_when_leading_blocks_see_no_key(q_len, k_len, opts, dtype, torch_engines):
+    """Blocks of query rows that see no key, before (or after) blocks that do: the fused engine's
+    backward once indexed the first block's calls (IndexError) when only a later one had any."""
+    q_lens, k_lens = [q_len, 3], [k_len, 3]
+    q, k, v = _inputs(q_lens, k_lens, 2, 1, 8, 8, dtype, requires_grad=True)
+    spec = jagged_sdpa.explain(q, k, v, cu_of(q_lens), cu_of(k_lens), **opts).spec
+    assert cpu_backend.fused_for_sequence(spec, q_len, k_len, backward=True)
+    out, _ = _run(q, k, v, q_lens, k_lens, opts, None)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    refs = _reference_grads(q, k, v, q_lens, k_lens, opts, None, grad)
+    for name, got, ref, lens in (("dq", q.grad, refs[0], q_lens), ("dk", k.grad, refs[1], k_lens),
+                                 ("dv", v.grad, refs[2], k_lens)):
+        assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True)
+
+
 @pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 2.0, "window_size": (3, 3)}],
                          ids=["fused_engine", "blocked_engine"])
 def test_gradcheck_float64(opts):

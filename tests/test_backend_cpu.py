@@ -165,6 +165,67 @@ def test_strided_inputs_in_nan_buffers_are_never_read_outside(dtype, block_size)
         assert_close_lse(lse, ref_lse)
 
 
+def last_dim_strided(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a view whose last dim has stride 2, every gap NaN: a kernel that reads the last
+    dim as unit-stride reads the gaps, and it shows."""
+    buf = torch.full((*x.shape, 2), float("nan"), dtype=x.dtype)
+    buf[..., 0] = x
+    return buf[..., 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+def test_strided_last_dim_forward_and_backward(dtype, block_size):
+    """Last dims with stride 2 (q, k, v and grad_out): PyTorch's fused CPU kernel reads the gaps
+    (forward once Lq > 16 and Lq * Lk > 16384, backward once Lq > 16), so the backend copies such
+    tensors to unit stride before any engine runs; then the compiled kernel takes the call."""
+    q_lens, k_lens = [200, 3, 40], [200, 5, 60]
+    q, k, v = _inputs(q_lens, k_lens, 2, 2, 16, 16, dtype, requires_grad=True)
+    grad = torch.randn(sum(q_lens), 2, 16).to(dtype)
+    opts = {"causal": True}
+    notes = " ".join(jagged_sdpa.explain(*(last_dim_strided(t) for t in (q, k, v)), cu_of(q_lens), cu_of(k_lens),
+                                         causal=True).notes)
+    assert "strided last dim are copied to unit stride" in notes
+    assert ("compiled kernel not used" not in notes) == (block_size == "native" and dtype != torch.float64)
+    out, lse = _run(*(last_dim_strided(t) for t in (q, k, v)), q_lens, k_lens, opts, None)
+    out.backward(last_dim_strided(grad))
+    ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, opts, None)
+    refs = _reference_grads(q, k, v, q_lens, k_lens, opts, None, grad)
+    lowp = [None] * 4
+    if dtype in (torch.float16, torch.bfloat16):
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out2 = _run(q2, k2, v2, q_lens, k_lens, opts, None, backend=Backend.MATH)[0]
+        out2.backward(grad)
+        lowp = [out2, q2.grad, k2.grad, v2.grad]
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp[0])
+    assert_close_lse(lse, ref_lse)
+    for name, got, ref, low, lens in (("dq", q.grad, refs[0], lowp[1], q_lens), ("dk", k.grad, refs[1], lowp[2], k_lens),
+                                      ("dv", v.grad, refs[2], lowp[3], k_lens)):
+        assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True, lowp_ref=low, fudge=3.0)
+
+
+@pytest.mark.parametrize("engines", ["default", "torch_engines"])
+def test_strided_last_dim_paged_cache_backward(engines, monkeypatch):
+    """A paged cache whose last dim is strided: forward and the (torch-op) paged backward."""
+    if engines == "torch_engines":
+        monkeypatch.setattr(native, "library", lambda: None)
+    q_lens, used = [40, 1, 30], [50, 9, 30]
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 2, 16, torch.float32)
+    k_cache, v_cache = (torch.nan_to_num(c, nan=0.0) for c in (k_cache, v_cache))
+    k_s, v_s = (last_dim_strided(c).requires_grad_(True) for c in (k_cache, v_cache))
+    q = torch.randn(sum(q_lens), 4, 16, requires_grad=True)
+    out = jagged_sdpa.varlen_attention(last_dim_strided(q.detach()).requires_grad_(True), k_s, v_s, cu_of(q_lens),
+                                       None, block_table=table, seqused_k=seqused, causal=True, backend=CPU)
+    grad = torch.randn_like(out)
+    out.backward(last_dim_strided(grad))
+    q2, kc2, vc2 = (t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache))
+    ref = jagged_sdpa.varlen_attention(q2, kc2, vc2, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
+                                       causal=True, backend="math")
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(k_s.grad, kc2.grad)
+    torch.testing.assert_close(v_s.grad, vc2.grad)
+
+
 def test_seqused_k_limits_keys_and_tail_is_never_read():
     q_lens, k_caps, used = [4, 6, 1], [10, 6, 9], [7, 0, 9]
     q, k, v = _inputs(q_lens, k_caps, 2, 2, 8, 8, torch.float32)

@@ -10,6 +10,7 @@ visible keys. Without grad, one-query rows take the decode engine (``decode.py``
 sequences are padded into groups (``grouped.py``). Their backward is our own too
 (``native_autograd = False``): the fused kernel's backward, or the blocked recomputation, per
 sequence; ``state`` carries the dropout RNG state and, for float64, the lse at full precision.
+Both directions first copy q/k/v (and out, grad_out) whose last dim is strided (``unit_stride``).
 """
 
 from __future__ import annotations
@@ -111,7 +112,6 @@ def _sequences(call: PackedCall) -> Iterator[_Seq]:
     for b, ((q_start, len_q), (k_start, len_k)) in enumerate(zip(q_ranges, call.key_ranges_host())):
         if len_q:
             yield _Seq(b, q_start, len_q, len_k, slice(k_start, k_start + len_k), k, v)
-
 
 
 def _unit_stride(x: Tensor) -> Tensor:

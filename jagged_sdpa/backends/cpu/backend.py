@@ -10,6 +10,7 @@ visible keys. Without grad, one-query rows take the decode engine (``decode.py``
 sequences are padded into groups (``grouped.py``). Their backward is our own too
 (``native_autograd = False``): the fused kernel's backward, or the blocked recomputation, per
 sequence; ``state`` carries the dropout RNG state and, for float64, the lse at full precision.
+Both directions first copy q/k/v (and out, grad_out) whose last dim is strided (``unit_stride``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa import layout
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, native, schedule
 from jagged_sdpa.checks import Reason
@@ -112,6 +114,20 @@ def _sequences(call: PackedCall) -> Iterator[_Seq]:
             yield _Seq(b, q_start, len_q, len_k, slice(k_start, k_start + len_k), k, v)
 
 
+def _unit_stride(x: Tensor) -> Tensor:
+    return x if layout.last_dim_contiguous(x) else x.contiguous()
+
+
+def unit_stride(call: PackedCall) -> PackedCall:
+    """``call`` with q/k/v whose last dim is unit-stride: our kernel refuses other layouts and
+    PyTorch's fused CPU kernel misreads them (it reads the gaps: wrong outputs, NaN gradients).
+    Forward and backward both pass through here, so no engine ever sees such a layout; one copy
+    of the offending tensor lets the compiled kernel run instead of the torch-op engines."""
+    if layout.last_dim_contiguous(call.q, call.k, call.v):
+        return call if call.spec.last_dim_contiguous else call.replace(spec=call.spec.replace(last_dim_contiguous=True))
+    return call.replace(q=_unit_stride(call.q), k=_unit_stride(call.k), v=_unit_stride(call.v),
+                        spec=call.spec.replace(last_dim_contiguous=True))
+
 
 class CpuFusedBackend(BackendImpl):
     backend = Backend.CPU_FUSED
@@ -137,11 +153,16 @@ class CpuFusedBackend(BackendImpl):
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
         """Silent on the usual path (the compiled kernel's forward); says why when the call runs
-        on the torch-op engines instead, and when an option moves it to the slower of those."""
+        on the torch-op engines instead, when an option moves it to the slower of those, and when a
+        strided last dim is copied first (see ``unit_stride``)."""
+        notes = []
+        if not spec.last_dim_contiguous:
+            notes.append("cpu_fused: q/k/v with a strided last dim are copied to unit stride first")
+            spec = spec.replace(last_dim_contiguous=True)
         why_not_native = native.skip_reason(spec)
         if why_not_native is None:
-            return ()
-        notes = [f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence"]
+            return tuple(notes)
+        notes.append(f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence")
         if uses_fused_kernel(spec):
             return tuple(notes)
         if spec.dtype == torch.bfloat16 and not (spec.softcap or spec.dropout_p or spec.head_dim_v != spec.head_dim):
@@ -156,6 +177,7 @@ class CpuFusedBackend(BackendImpl):
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
+        call = unit_stride(call)
         spec = call.spec
         q = call.q
         out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
@@ -215,6 +237,8 @@ class CpuFusedBackend(BackendImpl):
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
+        call = unit_stride(call)
+        out, grad_out = _unit_stride(out), _unit_stride(grad_out)
         spec = call.spec
         if native.backward_skip_reason(spec) is None:
             return native.backward(call, out, lse, grad_out)

@@ -3,9 +3,16 @@
 Each block of query rows is multiplied against only the keys it can see (``plan.blocks``), so
 causal/window calls skip masked blocks and memory stays at one (Hq, rows, keys) block. GQA is a
 reshape: the G query heads of a kv head become G*rows rows of one matmul, K/V are never copied
-per head. bf16 matmuls run in bf16 (this CPU's bf16 matmul is several times its fp32 one), with
-float32 accumulation inside the matmul; softmax statistics are float32. fp16 is computed in
-float32 (no fast fp16 matmul on CPUs without AVX512-FP16).
+per head.
+
+Precision: a product from which a row statistic is subtracted (the scores S, before the row max
+or lse; dP = dO V^T, before delta) is computed in float32 (float64 for float64). Rounded to bf16,
+S carries an absolute error of |S| * 2^-9 (0.1 at |S| = 50), which becomes a relative error of
+P: a sharp softmax (large logits, scale > 1) then had outputs 40x and gradients 60x further from
+float64 than MATH computing in float32. The products that are only summed (P V, P^T dO, dS K,
+dS^T Q) keep bf16 operands with float32 accumulation: their rounding stays relative (this CPU's
+bf16 matmul is several times its fp32 one). fp16 is computed in float32 (no fast fp16 matmul on
+CPUs without AVX512-FP16); softmax statistics are float32.
 
 Dropout masks are drawn from the default generator block by block; the backward replays them
 from a generator restored to the forward's starting state, walking the same blocks in order.
@@ -28,17 +35,12 @@ MIN_ROWS = 16
 
 
 def matmul_dtype(spec: AttnSpec) -> torch.dtype:
-    """bf16 matmuls round the scores to bf16 (~3 significant digits), which is fine for bf16
-    outputs and gradients but not for an lse the caller asked for: a no-grad call that returns
-    the lse computes its scores in float32."""
-    if spec.dtype == torch.float16:
-        return torch.float32
-    if spec.dtype == torch.bfloat16 and spec.return_lse and not spec.needs_grad:
-        return torch.float32
-    return spec.dtype
+    """Operand dtype of the products that are only summed (P V, P^T dO, dS K, dS^T Q)."""
+    return torch.float32 if spec.dtype == torch.float16 else spec.dtype
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, dP and softmax statistics: float32, or float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -69,11 +71,11 @@ def _ungrouped(x: Tensor, heads_q: int) -> Tensor:
     return x.reshape(heads_q, -1, x.shape[-1]).transpose(0, 1)
 
 
-def heads_first(x: Tensor, mm: torch.dtype, copy: bool) -> Tensor:
-    """(L, H, D) -> (H, L, D) in the matmul dtype. Copied contiguous when several blocks reuse
-    it; otherwise a strided view, which BLAS reads in place (decode is bound by reading K/V
-    once, and a copy would triple that traffic)."""
-    x = x.to(mm).permute(1, 0, 2)
+def heads_first(x: Tensor, dtype: torch.dtype, copy: bool) -> Tensor:
+    """(L, H, D) -> (H, L, D) in ``dtype``. Copied contiguous when several blocks reuse it;
+    otherwise a strided view, which BLAS reads in place (decode is bound by reading K/V once,
+    and a copy would triple that traffic)."""
+    x = x.to(dtype).permute(1, 0, 2)
     return x.contiguous() if copy else x
 
 
@@ -82,26 +84,25 @@ def _raw_scores(spec: AttnSpec, qg: Tensor, kh: Tensor, block: plan.Block) -> Te
     return torch.bmm(qg, kt).view(spec.heads_q, block.row_hi - block.row_lo, -1)
 
 
-def _scores(spec: AttnSpec, qg: Tensor, kh: Tensor, block: plan.Block, shift: int, slopes, mm: torch.dtype):
-    """Transformed scores of a block, (Hq, rows, keys) in float32 (float64 for float64), masked
-    with -inf; also tanh(raw / softcap) for the softcap derivative (or None)."""
+def _scores(spec: AttnSpec, qg: Tensor, kh: Tensor, block: plan.Block, shift: int, slopes):
+    """Transformed scores of a block, (Hq, rows, keys) in the stats dtype (qg and kh are in it),
+    masked with -inf; also tanh(raw / softcap) for the softcap derivative (or None)."""
     s = _raw_scores(spec, qg, kh, block)
-    s = s.to(stats_dtype(s.dtype))
     t = None
     if spec.softcap:
-        t = torch.tanh(s / spec.softcap)
+        t = torch.tanh(s.div_(spec.softcap))
         s = t * spec.softcap
     if slopes is not None:
-        s = s + plan.alibi_bias(slopes, shift, block, s.dtype)
+        s.add_(plan.alibi_bias(slopes, shift, block, s.dtype))
     if not block.exact:
-        s = s.masked_fill(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
+        s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
     return s, t
 
 
-def _query_rows(spec: AttnSpec, q: Tensor, mm: torch.dtype) -> Tensor:
-    """q * scale, computed in float32 or better and rounded once to the matmul dtype: the matmul
-    then yields scaled scores, saving a pass over the (much larger) score block."""
-    return (q.to(stats_dtype(q.dtype)) * spec.scale).to(mm)
+def _query_rows(spec: AttnSpec, q: Tensor) -> Tensor:
+    """q * scale in the stats dtype (never rounded back): the score matmul then yields scaled
+    scores, saving a pass over the (much larger) score block."""
+    return q.to(stats_dtype(q.dtype)) * spec.scale
 
 
 def _dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> Tensor:
@@ -112,56 +113,33 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
                      need_lse: bool) -> None:
     """One sequence: q (Lq, Hq, D), k/v (Lk, Hkv, D/Dv); writes out (Lq, Hq, Dv), lse (Hq, Lq)."""
     len_q, len_k = q.shape[0], k.shape[0]
-    mm = matmul_dtype(spec)
+    mm, acc = matmul_dtype(spec), stats_dtype(spec.dtype)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv = spec.heads_kv
     blocks = list(_seq_blocks(spec, len_q, len_k))
-    kh, vg = heads_first(k, mm, len(blocks) > 1), heads_first(v, mm, len(blocks) > 1)
-    q_rows = _query_rows(spec, q, mm)
-    # The fast form: scores straight into one softmax (no float32 copy of bf16 scores).
-    fast = (not spec.softcap and slopes is None
-            and not plan.may_have_empty_rows(spec, len_q, len_k))
+    kh, vg = heads_first(k, acc, len(blocks) > 1), heads_first(v, mm, len(blocks) > 1)
+    q_rows = _query_rows(spec, q)
+    may_be_empty = plan.may_have_empty_rows(spec, len_q, len_k)
     for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
             out[rows] = 0
             lse[:, rows] = float("-inf")
             continue
-        qg = _grouped(q_rows[rows], hkv, mm)
-        denom = None  # row sums of unnormalised probabilities: they divide the (rows x Dv) output
-        if fast:
-            s = _raw_scores(spec, qg, kh, block)
-            if not block.exact:
-                s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
-            if need_lse and not spec.dropout_p:
-                # In place, in the matmul dtype: four passes over the block instead of a float32
-                # softmax, two amax and a cast.
-                row_max = s.amax(dim=-1, keepdim=True)
-                p = s.sub_(row_max).exp_()
-                denom = p.sum(dim=-1, keepdim=True, dtype=stats_dtype(s.dtype))
-                lse[:, rows] = (row_max.to(denom.dtype) + torch.log(denom)).squeeze(-1)
-            elif spec.dropout_p:
-                p = torch.softmax(s, dim=-1, dtype=stats_dtype(s.dtype))
-                if need_lse:
-                    # p's row max is exp(max - lse), accurate to float32 rounding.
-                    lse[:, rows] = s.amax(dim=-1).to(p.dtype) - torch.log(p.amax(dim=-1))
-            else:
-                p = torch.softmax(s, dim=-1)
-        else:
-            s, _ = _scores(spec, qg, kh, block, shift, slopes, mm)
-            row_max = s.amax(dim=-1, keepdim=True)
-            # A row that sees no key has max -inf; 0 instead makes exp() give exact zeros.
+        s, _ = _scores(spec, _grouped(q_rows[rows], hkv, acc), kh, block, shift, slopes)
+        row_max = s.amax(dim=-1, keepdim=True)
+        if may_be_empty:  # a row that sees no key has max -inf; 0 instead makes exp() give zeros
             row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-            p = torch.exp(s - row_max)
-            denom = p.sum(dim=-1, keepdim=True)
-            if need_lse:
-                lse[:, rows] = (row_max + torch.log(denom)).squeeze(-1)
+        p = s.sub_(row_max).exp_()  # unnormalised: the (rows x Dv) output is divided instead
+        denom = p.sum(dim=-1, keepdim=True)
+        if need_lse:
+            lse[:, rows] = (row_max + torch.log(denom)).squeeze(-1)
+        if may_be_empty:
             denom = torch.where(denom > 0, denom, 1.0)
+        p.div_(denom)
         if spec.dropout_p:
             p = p * _dropout_keep(p.shape, spec.dropout_p, None, p.device) / (1.0 - spec.dropout_p)
         o = torch.bmm(p.to(mm).view(hkv, -1, p.shape[-1]), vg[:, block.key_lo:block.key_hi])
-        if denom is not None:
-            o = o.to(denom.dtype).div_(denom.view(hkv, -1, 1))
         out[rows] = _ungrouped(o, spec.heads_q)
 
 
@@ -169,74 +147,47 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
                       generator: Optional[torch.Generator]) -> None:
     """Gradients of one sequence; writes dq (Lq, Hq, D) and dk/dv (Lk, Hkv, D/Dv) (overwritten).
 
-    Recomputes each block's probabilities from the forward's lse: P = exp(S - lse).
+    Recomputes each block's probabilities from the forward's lse: P = exp(S - lse). A block holds
+    every key its rows see, so delta_i = sum_j P_ij dP_ij is summed in the block: exact for the P
+    used here, where rowsum(dO * out) (``out`` is not read) carries the output's bf16 rounding.
     """
     len_q, len_k = q.shape[0], k.shape[0]
-    mm = matmul_dtype(spec)
-    acc = stats_dtype(q.dtype)
+    mm, acc = matmul_dtype(spec), stats_dtype(spec.dtype)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv, hq = spec.heads_kv, spec.heads_q
     blocks = list(_seq_blocks(spec, len_q, len_k))
-    kg, vg = heads_first(k, mm, len(blocks) > 1), heads_first(v, mm, len(blocks) > 1)
-    q_rows = _query_rows(spec, q, mm)
+    copy = len(blocks) > 1
+    k_s, v_s = heads_first(k, acc, copy), heads_first(v, acc, copy)   # S = Q K^T, dP = dO V^T
+    k_m = k_s if mm == acc else heads_first(k, mm, copy)              # dQ = dS K
+    q_rows = _query_rows(spec, q)
     dk_acc = torch.zeros(hkv, len_k, k.shape[-1], dtype=acc, device=q.device)
     dv_acc = torch.zeros(hkv, len_k, v.shape[-1], dtype=acc, device=q.device)
     lse = plan.backward_lse(lse, acc)
-    # Without softcap or ALiBi, every pass over a block reads the matmul dtype and writes the next
-    # operand directly (bf16: four passes over the block instead of eight).
-    fast = not spec.softcap and slopes is None
-    softmax_recompute = fast and mm != acc and not plan.may_have_empty_rows(spec, len_q, len_k)
     for block in blocks:
         rows = slice(block.row_lo, block.row_hi)
         if block.empty:
             dq[rows] = 0
             continue
         keys = slice(block.key_lo, block.key_hi)
-        qg = _grouped(q_rows[rows], hkv, mm)
-        block_lse = lse[:, rows].unsqueeze(-1)
+        s, t = _scores(spec, _grouped(q_rows[rows], hkv, acc), k_s, block, shift, slopes)
+        p = s.sub_(lse[:, rows].unsqueeze(-1)).exp_()
         do = grad_out[rows]
-        t = None
-        if fast:
-            s = _raw_scores(spec, qg, kg, block)
-            if not block.exact:
-                s = s.masked_fill_(~plan.keep_mask(spec, shift, block, s.device), float("-inf"))
-            if softmax_recompute:
-                # A block holds every key its rows see, so P = softmax(S): one pass, computed in
-                # float32 and rounded once to the matmul dtype (bf16 s - lse would round first).
-                p = torch.softmax(s, dim=-1)
-            elif mm == acc:
-                p = s.sub_(block_lse).exp_()
-            else:
-                p = torch.sub(s, block_lse).exp_()   # float32: bf16 (s - lse) would round first
-        else:
-            s, t = _scores(spec, qg, kg, block, shift, slopes, mm)
-            p = torch.exp(s.sub_(block_lse))
-        delta = (do.to(acc) * out[rows].to(acc)).sum(-1).transpose(0, 1).unsqueeze(-1)
-        # dS = P * (dP - delta) in place, in the matmul dtype (bf16: no widening copy), unless
-        # softcap's derivative or a float32 P needs the wider form.
-        in_place = t is None and p.dtype == mm
-        if in_place:
-            delta = delta.to(mm)
         dog = _grouped(do, hkv, mm)
-        keep = None
+        dp = torch.bmm(dog if mm == acc else _grouped(do, hkv, acc), v_s[:, keys].transpose(1, 2))
+        dp = dp.view(hq, p.shape[1], -1)
+        p_used = p
         if spec.dropout_p:
             keep = _dropout_keep(p.shape, spec.dropout_p, generator, p.device)
             p_used = p * keep / (1.0 - spec.dropout_p)
-        else:
-            p_used = p
+            dp.mul_(keep).div_(1.0 - spec.dropout_p)
         dv_acc[:, keys] += torch.bmm(p_used.to(mm).view(hkv, -1, p.shape[-1]).transpose(1, 2), dog)
-        dp = torch.bmm(dog, vg[:, keys].transpose(1, 2)).view(hq, p.shape[1], -1)
-        if keep is not None:
-            dp = dp * keep / (1.0 - spec.dropout_p)
-        if in_place:
-            dsg = dp.sub_(delta).mul_(p).view(hkv, -1, dp.shape[-1])
-        else:
-            ds = torch.sub(dp, delta)                    # promoted to float32/float64
-            if t is not None:
-                ds.mul_(1.0 - t * t)
-            dsg = torch.mul(ds, p, out=torch.empty(ds.shape, dtype=mm)).view(hkv, -1, ds.shape[-1])
-        dq[rows] = _ungrouped(torch.bmm(dsg, kg[:, keys]).mul_(spec.scale), hq)
-        # qg holds q * scale, so this is scale * dS^T q.
-        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), qg)
+        # dS = P * (dP - delta) * scale (* the softcap derivative), in the stats dtype, rounded
+        # once to the matmul dtype.
+        ds = p * dp
+        ds.addcmul_(p, ds.sum(dim=-1, keepdim=True), value=-1.0)
+        ds.mul_(spec.scale if t is None else (1.0 - t * t).mul_(spec.scale))
+        dsg = ds.to(mm).view(hkv, -1, ds.shape[-1])
+        dq[rows] = _ungrouped(torch.bmm(dsg, k_m[:, keys]), hq)
+        dk_acc[:, keys] += torch.bmm(dsg.transpose(1, 2), _grouped(q[rows], hkv, mm))
     dk.copy_(dk_acc.transpose(0, 1))
     dv.copy_(dv_acc.transpose(0, 1))

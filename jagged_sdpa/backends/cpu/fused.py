@@ -148,8 +148,10 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     kx, vx = _expand_heads(k, spec.gqa_group), _expand_heads(v, spec.gqa_group)
     lse = plan.backward_lse(lse, lse_dtype(q.dtype))
     blocks = _plan(spec, slopes, len_q, len_k)
-    # One call that sees every key: its dK/dV are the answer, no accumulators.
-    direct = sum(len(calls) for _, calls in blocks) == 1 and blocks[0][1][0].keys == slice(0, len_k)
+    # One call that sees every key: its dK/dV are the answer, no accumulators. (It may belong to
+    # any block: the blocks before it can see no key.)
+    all_calls = [call for _, calls in blocks for call in calls]
+    direct = len(all_calls) == 1 and all_calls[0].keys == slice(0, len_k)
     dkx = dvx = None
     if len_k and not direct:
         dkx = torch.zeros(kx.shape, dtype=lse_dtype(q.dtype), device=q.device)

@@ -224,22 +224,20 @@ def _forward_group_bmm(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members:
     n = len(members)
     hq, hkv = spec.heads_q, spec.heads_kv
     group = hq // hkv
-    mm = blocked.matmul_dtype(spec)
+    mm, acc = blocked.matmul_dtype(spec), blocked.stats_dtype(spec.dtype)   # see blocked.py: precision
     lay = _layout(spec, tuple(members))
     width_q, width_k = lay.width_q, lay.width_k
-    qs = blocked._query_rows(spec, q.index_select(0, lay.rows_q), mm)
+    qs = blocked._query_rows(spec, q.index_select(0, lay.rows_q))
     qg = qs.view(n, width_q, hkv, group, -1).permute(0, 2, 3, 1, 4).reshape(n * hkv, group * width_q, -1)
-    kg = k.index_select(0, lay.rows_k).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
+    kg = k.index_select(0, lay.rows_k).to(acc).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
     vg = v.index_select(0, lay.rows_k).to(mm).view(n, width_k, hkv, -1).transpose(1, 2).reshape(n * hkv, width_k, -1)
     s = torch.bmm(qg, kg.transpose(1, 2)).view(n, hq, width_q, width_k)
     if lay.mask is not None:
         s.add_(lay.mask)
     group_lse = None
+    p = torch.softmax(s, dim=-1)
     if need_lse:
-        p = torch.softmax(s, dim=-1, dtype=blocked.stats_dtype(s.dtype))
-        group_lse = s.amax(dim=-1).to(p.dtype) - torch.log(p.amax(dim=-1))       # (n, Hq, width_q)
-    else:
-        p = torch.softmax(s, dim=-1)
+        group_lse = s.amax(dim=-1) - torch.log(p.amax(dim=-1))                   # (n, Hq, width_q)
     o = torch.bmm(p.to(mm).view(n * hkv, group * width_q, width_k), vg)
     o = o.view(n, hkv, group, width_q, -1).permute(0, 3, 1, 2, 4).reshape(n * width_q, hq, -1)
     _write_rows(spec, lay, o, group_lse, out, lse)

@@ -216,6 +216,9 @@ def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
     return why
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -239,7 +242,9 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
     keep += [cu_q, cu_k, used, table, slopes]  # alive until the kernel returns
     ptr = lambda t: None if t is None else t.data_ptr()
-    left, right = spec.window
+    # ctypes would wrap a window past int64 silently (2**64 -> 0); any such window is unbounded in
+    # effect, and the kernel's range arithmetic is exact up to INT64_MAX.
+    left, right = (min(w, _INT64_MAX) for w in spec.window)
     return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         cu_q.data_ptr(), ptr(cu_k), ptr(used), ptr(table), 0 if table is None else table.stride(0),

@@ -488,3 +488,36 @@ def test_backward_nan_in_a_visible_score_or_value_is_nan(where, causal):
                                        ("dv", vg.grad, v64.grad, must_k if where != "v" else must_k & False, cu_k)):
         _assert_nan_between(got, must, torch.isnan(want).any(-1), name_)
         _finite_close(got, want, cu, name_, grad=True)
+
+
+# (Lq, Lk): the issue's 4 tokens (one partial key block), tiles over one and two key blocks, a
+# decode row, direct rows.
+DENSE_SHAPES = [(4, 4), (9, 30), (70, 70), (1, 90), (2, 130)]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nonfinite_inputs_give_what_dense_sdpa_gives(shape, where, value, split):
+    """NaN/inf in q, k or v, without masks: out equals torch's dense SDPA (math, float64) element
+    for element, NaN and inf included (a row whose scores are all -inf is 0, as dense SDPA's safe
+    softmax gives), and lse is NaN, inf or -inf where the float64 reference's is. Under masks dense SDPA adds -inf to masked scores (NaN + -inf = NaN) and
+    multiplies masked zeros by every value, so a NaN anywhere in a sequence reaches every row: the
+    kernel reads only the keys a row's tile sees; test_nan_in_a_visible_score_or_value_is_nan
+    bounds it there."""
+    (len_q, len_k), causal = shape, False
+    q, k, v = torch.randn(len_q, 4, 20), torch.randn(len_k, 2, 20), torch.randn(len_k, 2, 20)
+    {"q": q, "k": k, "v": v}[where][min(1, len_q - 1) if where == "q" else 2 * len_k // 3, 0, 3] = value
+    cu_q, cu_k = cu_of([len_q]), cu_of([len_k])
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, backend=CPU)
+    _, ref_lse = attention_reference(q, k, v, cu_q, cu_k)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), "lse NaN pattern differs from the reference"
+    assert torch.equal(lse[torch.isinf(lse)], ref_lse[torch.isinf(ref_lse)].float())
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1), is_causal=causal,
+        enable_gqa=True).transpose(0, 1)
+    assert torch.equal(torch.isnan(out), torch.isnan(dense)), "NaN pattern differs from dense SDPA"
+    assert torch.equal(torch.isinf(out), torch.isinf(dense)) and torch.equal(out[torch.isinf(out)],
+                                                                           dense[torch.isinf(dense)].float())
+    finite = torch.isfinite(dense)
+    assert_close_packed(torch.where(finite, out, 0.0), torch.where(finite, dense, 0.0), cu_seqlens=cu_q)

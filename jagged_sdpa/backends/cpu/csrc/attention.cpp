@@ -16,6 +16,13 @@
 // (fp16/bf16 are widened exactly on load), except that bf16 forward tiles multiply bf16 pairs
 // (vdpbf16ps) where the CPU has AVX512-BF16.
 //
+// Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
+// loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
+// and tests/test_guard_pages.py check every path). Non-finite inputs: a NaN or inf in a score or
+// value a row sees reaches its out (and lse) as in dense attention; a row that sees no key, or
+// only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
+// alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
+//
 // Sections: vector helpers; parameters; forward tiles (fp32, bf16); direct rows (decoding);
 // forward driver; backward; C entry points.
 

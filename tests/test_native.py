@@ -17,7 +17,8 @@ import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
-from reference import attention_reference
+from kernel_calls import kernel_backward, kernel_forward, math_forward, packed_call
+from reference import attention_reference, keep_mask
 from tolerances import assert_close_lse, assert_close_packed
 
 CPU = Backend.CPU_FUSED
@@ -307,3 +308,216 @@ def test_builds_into_its_cache_once(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# key ranges at and past the ends of the keys (issue 11)
+
+# Lq > Lk (top-left windows start past the last key), Lk = 0 under queries, Lq = 0, decode rows,
+# several key blocks and query chunks.
+EDGE_Q_LENS = [10, 3, 0, 70, 2, 200, 1, 9]
+EDGE_K_LENS = [2, 0, 4, 3, 70, 130, 0, 150]
+INT64_MAX = (1 << 63) - 1
+EDGE_WINDOWS = [(0, 0), (3, 0), (0, 2), (5, 5), (1 << 40, 0), (0, 1 << 40), (INT64_MAX, INT64_MAX), (-1, 0),
+                (0, -1), (-1, -1)]
+
+
+def _edge_check(alignment, causal, window, dtype, hq=2, hkv=1, d=24):
+    q = torch.randn(sum(EDGE_Q_LENS), hq, d).to(dtype)
+    k = torch.randn(sum(EDGE_K_LENS), hkv, d).to(dtype)
+    v = torch.randn(sum(EDGE_K_LENS), hkv, d).to(dtype)
+    cu_q, cu_k = cu_of(EDGE_Q_LENS), cu_of(EDGE_K_LENS)
+    # Keys inside a buffer of NaN rows: a read past a sequence's last key turns its rows NaN.
+    ka, va = in_nan_buffer(k, extra_rows=80), in_nan_buffer(v, extra_rows=80)
+    call = packed_call(q, ka, va, cu_q, cu_k, alignment=alignment, causal=causal, window_size=window)
+    out, lse = kernel_forward(call)
+    ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=causal, alignment=alignment, window=window)
+    lowp = math_forward(call) if dtype in LOWP else None
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q, lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+    empty = torch.isinf(ref_lse).T
+    assert (out[empty] == 0).all()
+    return call, out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_windows_past_the_keys_match_reference(alignment, causal, dtype, split):
+    """Every row's key range is clamped to [0, Lk): a top-left window starting past the last key
+    (it read the keys after the sequence: NaN rows, or a segfault with Lk = 0), Lq > Lk
+    bottom-right (positions before the first key), windows up to INT64_MAX (no overflow)."""
+    for window in EDGE_WINDOWS:
+        _edge_check(alignment, causal, window, dtype)
+
+
+def test_backward_windows_past_the_keys_match_reference():
+    for alignment in ("top_left", "bottom_right"):
+        for window in [(0, 0), (3, 1), (INT64_MAX, 0), (-1, -1)]:
+            call, out, lse = _edge_check(alignment, True, window, torch.float32)
+            grad = torch.randn(out.shape)
+            dq, dk, dv = kernel_backward(call, out, lse, grad)
+            q64, k64, v64 = (t.detach().double().contiguous().requires_grad_(True) for t in (call.q, call.k, call.v))
+            ref, _ = attention_reference(q64, k64, v64, call.cu_seqlens_q, call.cu_seqlens_k, causal=True,
+                                         alignment=alignment, window=window)
+            ref.backward(grad.double())
+            for name_, got, want, cu in (("dq", dq, q64.grad, call.cu_seqlens_q), ("dk", dk, k64.grad, call.cu_seqlens_k),
+                                         ("dv", dv, v64.grad, call.cu_seqlens_k)):
+                assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True)
+
+
+def test_issue_repros_window_past_keys_through_sdpa():
+    """The issue's two repros: a key NJT whose values sit in a NaN buffer (every row came out NaN),
+    and an empty key sequence under three queries (segfault)."""
+    buf = torch.full((64, 1, 8), float("nan"))
+    buf[:2] = torch.randn(2, 1, 8)
+    qv = torch.randn(10, 1, 8)
+    q = torch.nested.nested_tensor_from_jagged(qv, torch.tensor([0, 10])).transpose(1, 2)
+    k = torch.nested.nested_tensor_from_jagged(buf[:2], torch.tensor([0, 2])).transpose(1, 2)
+    out = jagged_sdpa.sdpa(q, k, k, window_size=(0, 0), backend=CPU).transpose(1, 2).values()
+    ref, _ = attention_reference(qv, buf[:2], buf[:2], [0, 10], [0, 2], window=(0, 0))
+    assert_close_packed(out, ref, cu_seqlens=[0, 10])
+    assert (out[2:] == 0).all()
+    q = torch.nested.nested_tensor_from_jagged(torch.randn(3, 1, 8), torch.tensor([0, 3])).transpose(1, 2)
+    k = torch.nested.nested_tensor_from_jagged(torch.randn(0, 1, 8), torch.tensor([0, 0])).transpose(1, 2)
+    assert (jagged_sdpa.sdpa(q, k, k, window_size=(0, 0), backend=CPU).values() == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN propagation (issue 11): NaN that enters a visible score or value gives NaN, as in dense SDPA
+
+
+def _nan_case(where, dtype, q_lens=(130, 2, 1, 9, 70), k_lens=(130, 70, 0, 3, 150)):
+    """q, k, v with one NaN element: in query row 1 of the first sequence (head 1), or in key 40
+    of the first sequence (kv head 0), which causal rows < 40 do not see."""
+    hq, hkv, d = 4, 2, 24
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    k = torch.randn(sum(k_lens), hkv, d).to(dtype)
+    v = torch.randn(sum(k_lens), hkv, d).to(dtype)
+    t, index = {"q": (q, (1, 1, 5)), "k": (k, (40, 0, 5)), "v": (v, (40, 0, 5))}[where]
+    t[index] = float("nan")
+    return q, k, v, cu_of(q_lens), cu_of(k_lens)
+
+
+def _assert_nan_between(got, must, may, name):
+    """NaN exactly somewhere between must (NaN the input reaches through a visible score or value)
+    and may (NaN in the float64 reference, whose matmuls also multiply masked zeros by NaN)."""
+    nan = torch.isnan(got)
+    if got.dim() == 3:
+        nan = nan.any(-1)
+    assert (nan | ~must).all(), f"{name}: NaN lost at {(~nan & must).nonzero()[:5].tolist()}"
+    assert (~nan | may).all(), f"{name}: NaN where the reference has none at {(nan & ~may).nonzero()[:5].tolist()}"
+
+
+def _finite_close(got, want, cu, name, grad=False, lowp=None):
+    """got against want on the rows where neither is NaN (the NaN rows were checked by
+    _assert_nan_between)."""
+    keep = ~(torch.isnan(got).any(-1, keepdim=True) | torch.isnan(want).any(-1, keepdim=True))
+    assert torch.isfinite(got[keep.expand_as(got)]).all(), f"{name}: inf"
+    mask = lambda t: None if t is None else torch.where(keep, t.double().nan_to_num(0.0), 0.0)
+    assert_close_packed(torch.where(keep, got, 0).to(got.dtype), mask(want), cu_seqlens=cu, name=name, grad=grad,
+                        lowp_ref=mask(lowp))
+
+
+def _sees(cu_q, cu_k, causal, total_q, total_k):
+    """Boolean (total_q, total_k): packed query row i sees packed key j (bottom-right)."""
+    sees = torch.zeros(total_q, total_k, dtype=torch.bool)
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        sees[qs:qe, ks:ke] = keep_mask(qe - qs, ke - ks, causal=causal, alignment="bottom_right", window=(-1, -1))
+    return sees
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_in_a_visible_score_or_value_is_nan(where, causal, dtype, split):
+    """A NaN query row came out 0 with lse -inf (a NaN score read as "masked"). Now: a NaN in q
+    (its row), in k (the rows that see the key) or in v (the rows that see it; others may take
+    0 * NaN as the reference does) is NaN in out, and in lse for q and k; rows that see no key
+    stay exactly 0 / -inf; everything else matches the float64 reference."""
+    q, k, v, cu_q, cu_k = _nan_case(where, dtype)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, backend=CPU)
+    ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=causal, alignment="bottom_right")
+    sees = _sees(cu_q, cu_k, causal, q.shape[0], k.shape[0])
+    group = q.shape[1] // k.shape[1]
+    must = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool)
+    if where == "q":
+        must[1, 1] = sees[1].any()
+    else:
+        must[:, :group] = sees[:, 40:41]
+    _assert_nan_between(out, must, torch.isnan(ref_out).any(-1), "out")
+    lse_must = must if where != "v" else torch.zeros_like(must)
+    _assert_nan_between(lse.T, lse_must, torch.isnan(ref_lse).T, "lse")
+    if where != "v":
+        assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref_out).any(-1))
+    empty = ~sees.any(1)
+    assert (out[empty] == 0).all() and (lse.T[empty] == float("-inf")).all()
+    lowp = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, backend="math") if dtype in LOWP else None
+    _finite_close(out, ref_out, cu_q, "out", lowp=lowp)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_nan_in_a_visible_score_or_value_is_nan(where, causal):
+    """The backward of the same calls: the NaN reaches the gradients of what its row/key touches
+    (dq of the row and dk/dv of the keys it sees; dq/dk/dv of the rows and keys around a NaN key)
+    and never more than the float64 reference's NaN; finite gradients match it."""
+    q, k, v, cu_q, cu_k = _nan_case(where, torch.float32)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = jagged_sdpa.varlen_attention(qg, kg, vg, cu_q, cu_k, causal=causal, backend=CPU)
+    grad = torch.randn(out.shape)
+    out.backward(grad)
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, cu_q, cu_k, causal=causal, alignment="bottom_right")
+    ref.backward(grad.double())
+    sees = _sees(cu_q, cu_k, causal, q.shape[0], k.shape[0])
+    group = q.shape[1] // k.shape[1]
+    must_q = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool)
+    must_k = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool)
+    if where == "q":
+        must_q[1, 1] = sees[1].any()
+        must_k[:, 0] = sees[1]
+    else:  # the rows that see the key; its dk (and dv for a NaN k: dv = P^T dO, no v in it)
+        rows = sees[:, 40]
+        must_q[:, :group] = rows[:, None]
+        must_k[40, 0] = rows.any()
+    for name_, got, want, must, cu in (("dq", qg.grad, q64.grad, must_q, cu_q), ("dk", kg.grad, k64.grad, must_k, cu_k),
+                                       ("dv", vg.grad, v64.grad, must_k if where != "v" else must_k & False, cu_k)):
+        _assert_nan_between(got, must, torch.isnan(want).any(-1), name_)
+        _finite_close(got, want, cu, name_, grad=True)
+
+
+# (Lq, Lk): the issue's 4 tokens (one partial key block), tiles over one and two key blocks, a
+# decode row, direct rows.
+DENSE_SHAPES = [(4, 4), (9, 30), (70, 70), (1, 90), (2, 130)]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nonfinite_inputs_give_what_dense_sdpa_gives(shape, where, value, split):
+    """NaN/inf in q, k or v, without masks: out equals torch's dense SDPA (math, float64) element
+    for element, NaN and inf included (a row whose scores are all -inf is 0, as dense SDPA's safe
+    softmax gives), and lse is NaN, inf or -inf where the float64 reference's is. Under masks dense SDPA adds -inf to masked scores (NaN + -inf = NaN) and
+    multiplies masked zeros by every value, so a NaN anywhere in a sequence reaches every row: the
+    kernel reads only the keys a row's tile sees; test_nan_in_a_visible_score_or_value_is_nan
+    bounds it there."""
+    (len_q, len_k), causal = shape, False
+    q, k, v = torch.randn(len_q, 4, 20), torch.randn(len_k, 2, 20), torch.randn(len_k, 2, 20)
+    {"q": q, "k": k, "v": v}[where][min(1, len_q - 1) if where == "q" else 2 * len_k // 3, 0, 3] = value
+    cu_q, cu_k = cu_of([len_q]), cu_of([len_k])
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, backend=CPU)
+    _, ref_lse = attention_reference(q, k, v, cu_q, cu_k)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), "lse NaN pattern differs from the reference"
+    assert torch.equal(lse[torch.isinf(lse)], ref_lse[torch.isinf(ref_lse)].float())
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1), is_causal=causal,
+        enable_gqa=True).transpose(0, 1)
+    assert torch.equal(torch.isnan(out), torch.isnan(dense)), "NaN pattern differs from dense SDPA"
+    assert torch.equal(torch.isinf(out), torch.isinf(dense)) and torch.equal(out[torch.isinf(out)],
+                                                                           dense[torch.isinf(dense)].float())
+    finite = torch.isfinite(dense)
+    assert_close_packed(torch.where(finite, out, 0.0), torch.where(finite, dense, 0.0), cu_seqlens=cu_q)

@@ -3,7 +3,9 @@ against the float64 reference (``reference.py``), forward, backward and paged fo
 
 Each example draws a ragged batch (1..5 sequences; query lengths 0..90 and key lengths 0..140, so
 empty sequences, Lq > Lk and length-1 decode rows all occur), GQA (Hkv 1..3, group 1..3), head
-dims D and Dv independently in 1..72, fp32/fp16/bf16, causal, a window, softcap, ALiBi slopes of
+dims D and Dv independently in 1..72, fp32/fp16/bf16, causal, a window (sides up to 2^40: windows
+that start past the last key, or end before the first), either causal alignment (top-left runs the
+kernel through ``kernel_calls``: varlen is bottom-right), softcap, ALiBi slopes of
 shape (Hq,) or (B, Hq), softmax_scale, strided inputs inside NaN buffers, the thread count, and
 the kernel's work split (``native.Q_CHUNK``, ``DIRECT_ROWS``, ``DIRECT_KEYS``, patched on the
 module for the duration of one example), so that work items, micro-tile tails, direct rows and
@@ -27,6 +29,7 @@ from hypothesis import strategies as st
 import jagged_sdpa
 from jagged_sdpa.backends.cpu import native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
+from kernel_calls import kernel_backward, kernel_forward, math_forward, packed_call
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -64,7 +67,7 @@ def calls(draw, *, max_q=90, max_k=140, dtypes=(torch.float32, torch.float16, to
     hkv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
     hq = hkv * group
-    side = st.one_of(st.just(-1), st.integers(0, 50))
+    side = st.one_of(st.just(-1), st.integers(0, 50), st.sampled_from([200, 1 << 40]))
     case = {
         "q_lens": q_lens, "k_lens": k_lens, "hq": hq, "hkv": hkv,
         "d": draw(st.integers(1, 72)),
@@ -72,6 +75,7 @@ def calls(draw, *, max_q=90, max_k=140, dtypes=(torch.float32, torch.float16, to
         "dtype": draw(st.sampled_from(dtypes)),
         "causal": draw(st.booleans()),
         "window": (draw(side), draw(side)),
+        "alignment": draw(st.sampled_from(["bottom_right", "top_left"])),
         "softcap": draw(st.one_of(st.just(0.0), st.floats(0.5, 20.0))),
         "alibi": draw(st.sampled_from([None, "per_head", "per_batch_head"])),
         "scale": draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
@@ -113,7 +117,7 @@ def _options(case):
 
 def _reference(q, k, v, cu_q, cu_k, case, slopes, **extra):
     return attention_reference(q, k, v, cu_q, cu_k, scale=case["scale"], causal=case["causal"],
-                               alignment="bottom_right", window=case["window"], softcap=case["softcap"],
+                               alignment=case["alignment"], window=case["window"], softcap=case["softcap"],
                                alibi_slopes=slopes, **extra)
 
 
@@ -122,10 +126,17 @@ def _lowp(t):
     return t if t is not None and t.numel() else None
 
 
+def _attend(case, q, k, v, cu_q, cu_k, **opts):
+    """out, lse of the kernel: varlen_attention (bottom-right), or the packed call top-left."""
+    if case["alignment"] == "bottom_right":
+        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=CPU, **opts)
+    return kernel_forward(packed_call(q, k, v, cu_q, cu_k, alignment="top_left", **opts))
+
+
 def _check_forward(out, lse, q, k, v, cu_q, cu_k, case, slopes, opts):
     """out and lse of a kernel call against float64 (and MATH in the same dtype for the floor)."""
     ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, case, slopes)
-    lowp = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend="math", **opts)
+    lowp = math_forward(packed_call(q, k, v, cu_q, cu_k, alignment=case["alignment"], alibi_slopes=slopes, **opts))
     assert out.dtype == case["dtype"] and out.shape == (q.shape[0], case["hq"], case["dv"])
     assert lse.dtype == torch.float32 and lse.shape == (case["hq"], q.shape[0])
     _check_empty_rows(out, lse, ref_lse)
@@ -160,8 +171,7 @@ def run_forward(case):
         qa, ka, va = wrap(q), wrap(k), wrap(v)
         spec = jagged_sdpa.explain(qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts).spec
         assert native.skip_reason(spec) is None, native.skip_reason(spec)
-        out, lse = jagged_sdpa.varlen_attention(qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, return_lse=True,
-                                                backend=CPU, **opts)
+        out, lse = _attend(case, qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, **opts)
     _check_forward(out, lse, q, k, v, cu_q, cu_k, case, slopes, opts)
 
 
@@ -191,13 +201,20 @@ def run_backward(case):
         spec = jagged_sdpa.explain(*leaves, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts).spec
         assert native.skip_reason(spec) is None, native.skip_reason(spec)
         assert native.backward_skip_reason(spec) is None, native.backward_skip_reason(spec)
-        out = jagged_sdpa.varlen_attention(*leaves, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts)
-        out.backward(wrap(grad_out))
+        if case["alignment"] == "bottom_right":
+            out = jagged_sdpa.varlen_attention(*leaves, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts)
+            out.backward(wrap(grad_out))
+        else:
+            call = packed_call(*(t.detach() for t in leaves), cu_q, cu_k, alignment="top_left", alibi_slopes=slopes,
+                               **opts)
+            out, lse = kernel_forward(call)
+            for leaf, g in zip(leaves, kernel_backward(call, out, lse, wrap(grad_out))):
+                leaf.grad = g
     leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     ref, ref_lse = _reference(*leaves64, cu_q, cu_k, case, None if slopes is None else slopes.double())
     # The same call on MATH in the same dtype: the low-precision error allowed.
     q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out2 = jagged_sdpa.varlen_attention(q2, k2, v2, cu_q, cu_k, alibi_slopes=slopes, backend="math", **opts)
+    out2 = math_forward(packed_call(q2, k2, v2, cu_q, cu_k, alignment=case["alignment"], alibi_slopes=slopes, **opts))
     if out2.requires_grad:  # (MATH returns a graph-less empty output when no sequence has a query)
         out2.backward(grad_out)
     lowp = {"dq": q2.grad, "dk": k2.grad, "dv": v2.grad}
@@ -274,9 +291,8 @@ def run_paged(case):
         spec = jagged_sdpa.explain(qa, k_cache, v_cache, cu_q, None, block_table=table, seqused_k=seqused,
                                    alibi_slopes=slopes, backend=CPU, **opts).spec
         assert spec.paged and native.skip_reason(spec) is None, native.skip_reason(spec)
-        out, lse = jagged_sdpa.varlen_attention(qa, k_cache, v_cache, cu_q, None, block_table=table,
-                                                seqused_k=seqused, alibi_slopes=slopes, return_lse=True,
-                                                backend=CPU, **opts)
+        out, lse = _attend(case, qa, k_cache, v_cache, cu_q, None, block_table=table, seqused_k=seqused,
+                           alibi_slopes=slopes, **opts)
     _check_forward(out, lse, q, pk.contiguous(), pv.contiguous(), cu_q, cu_of(used), case, slopes, opts)
 
 

@@ -31,6 +31,11 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+# JAGGED_SDPA_SANITIZE=address,undefined (tests/test_sanitizers.py) builds a separate, instrumented
+# library: every out-of-bounds read or undefined behaviour aborts with a report. It only loads into
+# a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
+SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
 ABI_VERSION = 5
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -111,14 +116,24 @@ def cache_dir() -> Path:
     return Path(base) / "jagged_sdpa"
 
 
+def _flags() -> tuple[tuple[str, ...], str]:
+    """The compiler flags and a file-name tag: the shipped build, or the sanitizer build."""
+    sanitize = os.environ.get(SANITIZE_ENV)
+    if not sanitize:
+        return FLAGS, ""
+    flags = tuple(f for f in FLAGS if f != "-O3") + SANITIZE_FLAGS + (f"-fsanitize={sanitize}",)
+    return flags, "sanitize-"
+
+
 def _build() -> Path:
     cxx = _compiler()
+    flags, tag = _flags()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{cxx} --version failed: {exc}") from None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    target = cache_dir() / f"attention-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"attention-{tag}{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     try:
@@ -128,7 +143,7 @@ def _build() -> Path:
     except OSError as exc:
         raise NativeUnavailable(f"cannot write the build cache {target.parent} ({exc}); set JAGGED_SDPA_CACHE") from None
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise NativeUnavailable(f"{cxx} failed to build {SOURCE.name}: {proc.stderr.strip()[-400:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each install a whole library
@@ -154,6 +169,7 @@ def _load():
     lib.js_attention_forward.restype = ctypes.c_int
     lib.js_attention_backward.argtypes = [ctypes.POINTER(_GradParams)]
     lib.js_attention_backward.restype = ctypes.c_int
+    _STATE["path"] = path
     return lib
 
 
@@ -167,6 +183,12 @@ def library():
                 except NativeUnavailable as exc:
                     _STATE["lib"], _STATE["why"] = None, str(exc)
     return _STATE["lib"]
+
+
+def library_path() -> Optional[Path]:
+    """The file the loaded library came from (None when there is none)."""
+    library()
+    return _STATE.get("path")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -216,6 +238,9 @@ def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
     return why
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -239,7 +264,9 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
     keep += [cu_q, cu_k, used, table, slopes]  # alive until the kernel returns
     ptr = lambda t: None if t is None else t.data_ptr()
-    left, right = spec.window
+    # ctypes would wrap a window past int64 silently (2**64 -> 0); any such window is unbounded in
+    # effect, and the kernel's range arithmetic is exact up to INT64_MAX.
+    left, right = (min(w, _INT64_MAX) for w in spec.window)
     return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         cu_q.data_ptr(), ptr(cu_k), ptr(used), ptr(table), 0 if table is None else table.stride(0),

@@ -16,6 +16,13 @@
 // (fp16/bf16 are widened exactly on load), except that bf16 forward tiles multiply bf16 pairs
 // (vdpbf16ps) where the CPU has AVX512-BF16.
 //
+// Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
+// loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
+// and tests/test_guard_pages.py check every path). Non-finite inputs: a NaN or inf in a score or
+// value a row sees reaches its out (and lse) as in dense attention; a row that sees no key, or
+// only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
+// alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
+//
 // Sections: vector helpers; parameters; forward tiles (fp32, bf16); direct rows (decoding);
 // forward driver; backward; C entry points.
 
@@ -203,15 +210,19 @@ struct Item {
     int64_t cost;
 };
 
-// Visible keys [lo, hi) of the query row at aligned position pos, for a sequence of len_k keys.
-// Both ends are non-decreasing in pos, so a run of rows sees [lo(first), hi(last)).
+// Visible keys [lo, hi) of the query row at aligned position pos, for a sequence of len_k keys:
+// always 0 <= lo <= hi <= len_k, so every loop over a range stays inside the sequence (a window
+// that starts past the last key, a position before the first key, len_k = 0: an empty range).
+// This is the one place a row's keys are derived. Both ends are non-decreasing in pos, so a run
+// of rows sees [lo(first), hi(last)). Written without overflow for any window up to INT64_MAX
+// (pos is bounded by the lengths).
 inline void key_range(const JsParams& p, int64_t pos, int64_t len_k, int64_t* lo, int64_t* hi) {
     int64_t a = 0, b = len_k;
     if (p.causal) b = std::min(b, pos + 1);
-    if (p.window_left >= 0) a = std::max(a, pos - p.window_left);
-    if (p.window_right >= 0) b = std::min(b, pos + p.window_right + 1);
-    *lo = a;
-    *hi = std::max(a, b);
+    if (p.window_left >= 0 && pos > p.window_left) a = pos - p.window_left;
+    if (p.window_right >= 0 && p.window_right < len_k - pos) b = std::min(b, pos + p.window_right + 1);
+    *lo = std::min(a, len_k);
+    *hi = std::clamp(b, *lo, len_k);
 }
 
 // What a score row of key block [kb, kb + nk) needs beyond q.k: softcap, ALiBi, masks (-inf).
@@ -291,6 +302,27 @@ inline void column_chunks(int64_t width, F&& f) {
     }
 }
 
+// Whether a block whose score max is bm adds nothing to a row: every score is -inf (masked, or
+// -inf itself). The max comparisons skip NaN, so a row whose only visible scores are NaN also has
+// bm = -inf: it is not skipped, and its NaN reaches l and O as in dense attention.
+inline bool adds_nothing(float bm, const float* s, int n) {
+    if (bm != -INFINITY) return false;
+    for (int j = 0; j < n; ++j)
+        if (s[j] != s[j]) return false;
+    return true;
+}
+
+// Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
+// when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
+// rows of its tile see), lse -inf. A NaN l or o (a NaN score or value it saw) stays NaN.
+template <class IO>
+inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse) {
+    const bool empty = l == 0.f;
+    const float inv = 1.f / l;
+    for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(empty ? 0.f : o[e] * inv);
+    if (lse) *lse = empty ? -INFINITY : m + std::log(l);
+}
+
 // The online-softmax update of RR rows of scores in pb (RR x BK), in place: P = exp(S - m_new),
 // l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
 // plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
@@ -300,7 +332,7 @@ inline void softmax_rows(float* pb, float* m, vf* lv, float* alpha, bool plain, 
         float* row = pb + r * BK;
         if (!plain) rule.apply(row, pos0 + r);
         const float bm = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
-        if (bm == -INFINITY) {  // the row sees no key of this block
+        if (adds_nothing(bm, row, BK)) {  // the row sees no key of this block
             alpha[r] = 1.f;
             for (int c = 0; c < 4; ++c) storeu(row + c * W, splat(0.f));
             continue;
@@ -462,6 +494,10 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
             float* sh = s + h * DIRECT_KEYS;
             float bm = -INFINITY;
             for (int j = 0; j < n; ++j) bm = std::max(bm, sh[j]);
+            if (adds_nothing(bm, sh, n)) {  // every score -inf: exp(-inf - -inf) would be NaN
+                std::fill(sh, sh + n, 0.f);
+                continue;
+            }
             const float mn = std::max(m[h], bm);
             const float alpha = std::exp(m[h] - mn);
             m[h] = mn;
@@ -490,12 +526,9 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
         }
     }
     T* out = static_cast<T*>(p.out) + row * p.o_tok;
-    for (int64_t h = 0; h < heads; ++h) {
-        const bool empty = !(l[h] > 0.f);
-        const float inv = empty ? 0.f : 1.f / l[h];
-        for (int64_t e = 0; e < dv; ++e) out[h * p.o_head + e] = IO::st(o[h * dv + e] * inv);
-        if (p.lse) p.lse[h * p.lse_head + row * p.lse_tok] = empty ? -INFINITY : m[h] + std::log(l[h]);
-    }
+    for (int64_t h = 0; h < heads; ++h)
+        finish_row<IO>(o + h * dv, m[h], l[h], dv, out + h * p.o_head,
+                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
 }
 
 // Per thread, sized for what its items need: a call of direct rows only (decoding) never
@@ -632,15 +665,9 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         }
     }
 
-    for (int r = 0; r < rows; ++r) {
-        const float l = hsum(lv[r]);
-        const bool empty = !(l > 0.f);
-        const float inv = empty ? 0.f : 1.f / l;
-        T* dst = out + (q0 + r) * p.o_tok + it.h * p.o_head;
-        const float* orow = o + r * dvp;
-        for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(orow[e] * inv);
-        if (p.lse) p.lse[it.h * p.lse_head + (q0 + r) * p.lse_tok] = empty ? -INFINITY : m[r] + std::log(l);
-    }
+    for (int r = 0; r < rows; ++r)
+        finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
+                       p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
 }
 
 // Orders work items longest first (dynamic scheduling then balances the threads: LPT) and

@@ -1,0 +1,199 @@
+"""Small calls that reach every path of the compiled CPU kernel through the public API, in every
+dtype, for runs where the point is *where* memory is read: the sanitizer build
+(``test_sanitizers.py``) and guard pages (``test_guard_pages.py``). Correctness on its own is
+tested against float64 elsewhere (test_native*.py); here each call is checked against the same call
+on ordinary tensors (bit for bit on the kernel: the placement must not matter) and loosely
+against MATH.
+
+Paths: forward tiles (several key blocks, query chunks, GQA, odd D, Dv != D, every option),
+direct decode rows, windows past the keys (top-left through ``sdpa``, Lq > Lk, Lk = 0), the
+issue-11 repros, NaN rows, the backward, the paged forward. ``run(place)`` runs them all in this
+process, printing each case before it runs (a crash names its case).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+import jagged_sdpa
+from jagged_sdpa.backends.cpu import native
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOOSE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+INT64_MAX = (1 << 63) - 1
+
+
+def _cu(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _varlen_case(q_lens, k_lens, hq, hkv, d, dv, *, alibi=None, **opts):
+    def build(dtype, gen):
+        x = {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype), "k": _randn(gen, sum(k_lens), hkv, d, dtype=dtype),
+             "v": _randn(gen, sum(k_lens), hkv, dv, dtype=dtype), "cu_q": _cu(q_lens), "cu_k": _cu(k_lens)}
+        if alibi == "per_head":
+            x["slopes"] = torch.rand(hq, generator=gen) * 0.3
+        elif alibi == "per_batch_head":
+            x["slopes"] = torch.rand(len(q_lens), hq, generator=gen) * 0.3
+        return x
+
+    def call(x, backend):
+        out, lse = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
+                                                alibi_slopes=x.get("slopes"), return_lse=True, backend=backend, **opts)
+        return {"out": out, "lse": lse}
+    return build, call
+
+
+def _backward_case(q_lens, k_lens, hq, hkv, d, dv, **opts):
+    def build(dtype, gen):
+        return {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype).requires_grad_(True),
+                "k": _randn(gen, sum(k_lens), hkv, d, dtype=dtype).requires_grad_(True),
+                "v": _randn(gen, sum(k_lens), hkv, dv, dtype=dtype).requires_grad_(True),
+                "grad": _randn(gen, sum(q_lens), hq, dv, dtype=dtype), "cu_q": _cu(q_lens), "cu_k": _cu(k_lens)}
+
+    def call(x, backend):
+        leaves = [x["q"], x["k"], x["v"]]
+        out = jagged_sdpa.varlen_attention(*leaves, x["cu_q"], x["cu_k"], backend=backend, **opts)
+        dq, dk, dv_ = torch.autograd.grad(out, leaves, x["grad"])
+        return {"out": out, "dq": dq, "dk": dk, "dv": dv_}
+    return build, call
+
+
+def _paged_case(q_lens, used, block_size, hq, hkv, d, **opts):
+    def build(dtype, gen):
+        need = [-(-n // block_size) for n in used]
+        num_blocks = sum(need) + 2
+        ids = torch.randperm(num_blocks, generator=gen).tolist()
+        table = torch.zeros(len(used), max(need + [1]), dtype=torch.int32)
+        for b, n in enumerate(need):
+            table[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+            ids = ids[n:]
+        return {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype),
+                "k": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
+                "v": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
+                "cu_q": _cu(q_lens), "table": table, "used": torch.tensor(used, dtype=torch.int32)}
+
+    def call(x, backend):
+        out, lse = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], None, block_table=x["table"],
+                                                seqused_k=x["used"], return_lse=True, backend=backend, **opts)
+        return {"out": out, "lse": lse}
+    return build, call
+
+
+def _njt_case(q_lens, k_lens, h, d, **opts):
+    """sdpa on NJTs (top-left alignment unless opts say otherwise) whose values are the placed tensors."""
+    def build(dtype, gen):
+        return {"q": _randn(gen, sum(q_lens), h, d, dtype=dtype), "k": _randn(gen, sum(k_lens), h, d, dtype=dtype),
+                "v": _randn(gen, sum(k_lens), h, d, dtype=dtype), "off_q": _cu(q_lens).long(),
+                "off_k": _cu(k_lens).long()}
+
+    def call(x, backend):
+        nj = lambda values, offsets: torch.nested.nested_tensor_from_jagged(values, offsets).transpose(1, 2)
+        out = jagged_sdpa.sdpa(nj(x["q"], x["off_q"]), nj(x["k"], x["off_k"]), nj(x["v"], x["off_k"]),
+                               backend=backend, **opts)
+        return {"out": out.transpose(1, 2).values()}
+    return build, call
+
+
+def _nan_row_case():
+    build, call = _varlen_case([4, 70], [4, 130], 2, 1, 24, 24, causal=True)
+
+    def build_nan(dtype, gen):
+        x = build(dtype, gen)
+        x["q"][2, 0, 3] = float("nan")
+        x["q"][4 + 30, 1, 0] = float("nan")
+        return x
+    return build_nan, call
+
+
+# name -> (build(dtype, generator) -> inputs dict, call(inputs, backend) -> outputs dict)
+CASES = {
+    "tiles_every_option": _varlen_case([70, 9, 0, 3, 130], [130, 0, 5, 70, 65], 4, 2, 33, 20, alibi="per_batch_head",
+                                       causal=True, window_size=(40, 3), softcap=5.0),
+    "tiles_plain_gqa": _varlen_case([70, 9, 3, 130], [130, 5, 70, 65], 6, 2, 40, 40),
+    "decode_rows": _varlen_case([1, 2, 1, 1, 2], [300, 0, 40, 1, 70], 8, 2, 64, 48, alibi="per_head",
+                                causal=True, window_size=(100, 0)),
+    "windows_past_keys_varlen": _varlen_case([10, 3, 0, 70, 2, 9], [2, 0, 4, 3, 70, 150], 2, 1, 24, 24,
+                                             window_size=(0, 0)),
+    "windows_int64_max": _varlen_case([10, 3, 70], [2, 0, 90], 2, 1, 16, 16, causal=True,
+                                      window_size=(INT64_MAX, INT64_MAX)),
+    "windows_past_keys_top_left": _njt_case([10, 3, 70, 2], [2, 0, 3, 70], 2, 24, window_size=(0, 0)),
+    "top_left_causal_window": _njt_case([10, 130, 1], [70, 20, 0], 2, 16, is_causal=True, window_size=(5, 2)),
+    "repro_window_past_keys": _njt_case([10], [2], 1, 8, window_size=(0, 0)),
+    "repro_empty_keys": _njt_case([3], [0], 1, 8, window_size=(0, 0)),
+    "nan_query_rows": _nan_row_case(),
+    "backward": _backward_case([130, 0, 1, 67, 9, 3], [130, 5, 70, 0, 140, 2], 4, 2, 40, 24, causal=True,
+                               window_size=(50, -1)),
+    "backward_softcap": _backward_case([70, 2, 10], [70, 90, 2], 2, 1, 16, 16, softcap=3.0, window_size=(0, 0)),
+    "paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True, window_size=(30, 0)),
+    "paged_odd_blocks": _paged_case([3, 1, 1], [5, 1, 33], 5, 2, 2, 8, softcap=2.0),
+}
+
+
+# Cases where MATH itself is wrong, so the kernel is compared with it only bit for bit against its
+# own unplaced run (test_native.py checks these against float64): jagged_sdpa/backends/positions.py
+# computes pos + right in int64 and wraps for right = INT64_MAX.
+MATH_WRONG = {"windows_int64_max"}
+
+
+@contextlib.contextmanager
+def work_split(q_chunk, direct_rows, direct_keys):
+    saved = native.Q_CHUNK, native.DIRECT_ROWS, native.DIRECT_KEYS
+    try:
+        native.Q_CHUNK, native.DIRECT_ROWS, native.DIRECT_KEYS = q_chunk, direct_rows, direct_keys
+        yield
+    finally:
+        native.Q_CHUNK, native.DIRECT_ROWS, native.DIRECT_KEYS = saved
+
+
+SPLITS = {"shipped": (native.Q_CHUNK, native.DIRECT_ROWS, native.DIRECT_KEYS), "small": (5, 2, 24)}
+
+
+def _same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(torch.isnan(a), torch.isnan(b)) and \
+        torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def run(place, *, backends=("cpu_fused", "math"), cases=None, dtypes=DTYPES, splits=("shipped", "small")) -> None:
+    """Runs every case with its inputs passed through ``place`` (a tensor -> tensor copy), and
+    checks that the compiled kernel's results equal the same call on the unplaced inputs bit for
+    bit (under every work split) and match MATH's loosely (NaN where MATH has NaN)."""
+    assert native.library() is not None, native.unavailable_reason()
+    for name in cases or CASES:
+        build, call = CASES[name]
+        for dtype in dtypes:
+            inputs = build(dtype, torch.Generator().manual_seed(0))
+            placed = {key: place(t) for key, t in inputs.items()}
+            want = None
+            if "math" in backends and name not in MATH_WRONG:
+                print(f"case {name} {str(dtype)[6:]} math", flush=True)
+                want = call(placed, "math")
+            if "cpu_fused" not in backends:
+                continue
+            for split in splits:
+                print(f"case {name} {str(dtype)[6:]} cpu_fused split={split}", flush=True)
+                with work_split(*SPLITS[split]):
+                    got = call(placed, "cpu_fused")
+                    plain = call(inputs, "cpu_fused")
+                for key in got:
+                    assert _same(got[key], plain[key]), f"{name} {dtype}: placed {key} differs from plain"
+                    if want is not None:
+                        torch.testing.assert_close(got[key].float(), want[key].float(), atol=LOOSE[dtype],
+                                                   rtol=LOOSE[dtype], equal_nan=True,
+                                                   msg=lambda m: f"{name} {dtype} {key} against MATH: {m}")
+    print("workload done", flush=True)
+
+
+if __name__ == "__main__":  # python kernel_workload.py: the workload on ordinary tensors
+    run(lambda t: t.clone())
+    sys.exit(0)

@@ -197,6 +197,16 @@ def make_case(seed: int, index: int, backend=None, entry=None) -> dict:
             "block_id_range": sum(q_lens if en == "append" else k_lens) > 0,
         }.get(name, True)
         case["invalid"] = name if applies else None
+    if not small and en != "sdpa_dense" and case["invalid"] is None and rng.random() < 0.04:
+        # stress: long query sequences (several 128-row blocks) over 0-2 keys
+        case["q_lens"] = [rng.randint(100, 260) for _ in range(max(batch, 1))][:batch]
+        case["k_lens"] = [rng.choice([0, 1, 2]) for _ in range(batch)]
+        case["shared_first_block"] = False
+    case["meta"] = (en in ("varlen", "sdpa") and not case["grad"] and case["nan"] is None
+                    and case["invalid"] is None and not case["dropout"] and rng.random() < 0.02)
+    if case["meta"]:
+        case["max_given"] = True
+    case["threads"] = rng.choice([1, 2])   # intra-op threads of the library call (the checks use 1)
     return case
 
 
@@ -287,6 +297,8 @@ def build(case):
                 with torch.no_grad():
                     _poke_cache(b, which, row, head % t.shape[1], int(dfrac * t.shape[2]))
     b["q"], b["k"], b["v"] = q, k, v
+    if "seqused" in b:
+        b["seqused_host"] = b["seqused"].tolist()
     slopes = None
     if case["alibi"]:
         shape = (hq,) if case["alibi"] == "per_head" else (batch, hq)
@@ -301,6 +313,7 @@ def build(case):
     if case["seqused"]:
         used_gen = random.Random(case["data_seed"])
         b["seqused"] = torch.tensor([used_gen.randint(0, n) for n in k_lens], dtype=torch.int32)
+        b["seqused_host"] = b["seqused"].tolist()
     return b
 
 
@@ -343,9 +356,9 @@ def _build_append(case, b, gen, dtype):
     for s in range(len(q_lens)):
         ks = _randn(gen, total[s], hkv, d, dtype=dtype)
         vs = _randn(gen, total[s], hkv, dv, dtype=dtype)
-        for i in range(old[s]):
-            blk = int(table[s, i // bs])
-            kc[blk, i % bs], vc[blk, i % bs] = ks[i], vs[i]
+        i = torch.arange(old[s])
+        blk, off = table[s].long()[i // bs], i % bs
+        kc[blk, off], vc[blk, off] = ks[:old[s]], vs[:old[s]]
         pk.append(ks)
         pv.append(vs)
     pk = torch.cat(pk) if pk else torch.zeros(0, hkv, d, dtype=dtype)
@@ -513,7 +526,8 @@ def call_library(case, b, mutate=None):
               "return_lse": case["return_lse"], "backend": backend}
         if case["max_given"]:
             args["max_seqlen_q"] = max(case["q_lens"] + [0])
-            args["max_seqlen_k"] = max((b["seqused"].tolist() if "seqused" in b else case["k_lens"]) + [0])
+            used = b.get("seqused_host")
+            args["max_seqlen_k"] = max((used if used is not None else case["k_lens"]) + [0])
         if en in ("paged", "append"):
             args["cu_seqlens_k"] = None
             kw["block_table"], kw["seqused_k"] = b["table"], b["seqused"]
@@ -706,16 +720,35 @@ def _stored_output_grads(leaves64, ref, ref_lse, grad_out, out_lowp, err=None):
             for leaf, e, mv in zip(leaves, exact, moved)}
 
 
+@contextlib.contextmanager
+def _threads(n):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def run_case(case, verbose=False):
-    """Execute and check one case. Returns ("ok" | "refused", detail); raises Failure."""
+    """Execute and check one case. Returns ("ok" | "refused", detail); raises Failure.
+    The checks run on one thread (two spin-waiting OpenMP threads on a busy machine make the
+    reference's small ops ~100x slower); the library call uses the case's thread count."""
+    with _threads(1):
+        return _run_case(case)
+
+
+def _run_case(case):
     b = build(case)
     dtype = b["dtype"]
     if case["entry"] == "append":
         _run_append(case, b)
+    if case.get("meta"):
+        return _run_meta(case, b)
     mutate = _mutation(case, b) if case["invalid"] else None
     torch.manual_seed(case["data_seed"])
     try:
-        with backend_context(case["backend"]):
+        with backend_context(case["backend"]), _threads(case.get("threads", 1)):
             out, lse = call_library(case, b, mutate)
             if case["invalid"]:
                 raise Failure(f"invalid input ({case['invalid']}) accepted")
@@ -771,6 +804,36 @@ def _gradient_reference(case, b, ref, ref_lse):
     if lse64.numel() and not torch.allclose(lse64, ref_lse, rtol=1e-9, atol=1e-9):
         raise RuntimeError("naive float64 lse differs from reference.py")
     return out64, lse64, (*leaves, slopes)
+
+
+def _run_meta(case, b):
+    """The same call on meta tensors (what torch.compile's fake tensors look like): an output of the
+    right shape and dtype on meta, or a clean ValueError/TypeError refusal."""
+    meta = {**b}
+    for name in ("q_leaf", "k_leaf", "v_leaf"):
+        leaf = b[name]
+        meta[name] = type("MetaLeaf", (), {"arg": leaf.arg.detach().to("meta")})()
+    meta["k_arg"], meta["v_arg"] = meta["k_leaf"].arg, meta["v_leaf"].arg
+    meta["cu_q"], meta["cu_k"] = b["cu_q"].to("meta"), b["cu_k"].to("meta")
+    if b["slopes"] is not None:
+        meta["slopes"] = b["slopes"].detach().to("meta")
+    if "seqused" in b:
+        meta["seqused"] = b["seqused"].to("meta")
+    try:
+        with backend_context(case["backend"]):
+            out, lse = call_library(case, meta)
+    except NoBackendError as exc:
+        if case["backend"] in ("cpu_fused", "cpu_torch", "triton"):
+            return "refused", "meta"
+        raise Failure(f"meta tensors: NoBackendError: {_one_line(exc)}")
+    except (ValueError, TypeError) as exc:
+        return "refused", _one_line(exc)
+    except Exception as exc:  # noqa: BLE001
+        raise Failure(f"meta tensors: {type(exc).__name__}: {_one_line(exc)}")
+    want = (sum(case["q_lens"]), case["hq"], case["dv"])
+    if out.device.type != "meta" or tuple(out.shape) != want or out.dtype != b["dtype"]:
+        raise Failure(f"meta tensors: out {out.device} {tuple(out.shape)} {out.dtype}, expected meta {want}")
+    return "ok", ""
 
 
 def _nan_value_reference(case, b, ref):
@@ -999,11 +1062,9 @@ def _scatter_cache(b, name, packed_grad):
     g = torch.zeros(cache.shape, dtype=torch.float64)
     table, used = b["table"], b["seqused"].tolist()
     bs = cache.shape[1]
-    row = 0
-    for s, n in enumerate(used):
-        for i in range(n):
-            g[int(table[s, i // bs]), i % bs] += packed_grad[row]
-            row += 1
+    slots = [int(table[s, i // bs]) * bs + i % bs for s, n in enumerate(used) for i in range(n)]
+    if slots:
+        g.view(-1, *g.shape[2:]).index_add_(0, torch.tensor(slots), packed_grad.double())
     return g
 
 
@@ -1074,12 +1135,11 @@ def _expected_cache(case, b):
     bs = case["block_size"]
     row = 0
     for s, (o, n) in enumerate(zip(b["seqused_old"].tolist(), case["q_lens"])):
-        for t in range(n):
-            pos = o + t
-            blk = int(b["table"][s, pos // bs])
-            kc[blk, pos % bs] = b["k_new"][row]
-            vc[blk, pos % bs] = b["v_new"][row]
-            row += 1
+        pos = torch.arange(o, o + n)
+        blk, off = b["table"][s].long()[pos // bs], pos % bs
+        kc[blk, off] = b["k_new"][row:row + n]
+        vc[blk, off] = b["v_new"][row:row + n]
+        row += n
     b["kc_exp"], b["vc_exp"] = kc, vc
 
 
@@ -1106,34 +1166,43 @@ def _torch_engines(case):
 
 
 KNOWN = {
-    # 9b. alibi_slopes requires_grad: silently no gradient (first: any backend, any message about it).
+    # Most specific first: a failure is labelled with the first class it matches.
+    # 9. dropout_p=1.0 refused (PyTorch accepts it and gives zeros).
+    "dropout_one_refused": lambda c, m: c["dropout"] == "one" and "dropout_p" in m,
+    # 9. alibi_slopes.requires_grad: silently no gradient.
     "alibi_grad_none": lambda c, m: c["alibi_grad"] and "dalibi" in m,
+    # 9. meta tensors: NoBackendError instead of a meta output (varlen); through sdpa the NJT offsets
+    #    are read on the host first (layout.read_host): NotImplementedError "Cannot copy out of meta".
+    "meta_no_backend": lambda c, m: c.get("meta", False) and m.startswith("meta tensors"),
+    # 6. window_size entries >= 2**63 accepted and wrapped.
+    "window_ge_2_63": lambda c, m: any(w >= 2**63 for w in c["window"]),
+    # NEW (found by this fuzzer, not yet assigned): a window entry near the int64 maximum (a valid
+    # int, e.g. 2**63 - 1) overflows pos +/- window in MATH (positions.keep_mask), the compiled kernel
+    # (attention.cpp, window bounds) and triton (int32 conversion): rows lose every key.
+    "window_near_int64_max": lambda c, m: any(2**62 < w < 2**63 for w in c["window"]),
+    # 7. MATH loses autograd on an empty batch (total_q == 0 with requires_grad).
+    "math_empty_batch_autograd": lambda c, m: c["grad"] and sum(c["q_lens"]) == 0 and "autograd lost" in m,
+    # 3. IndexError in cpu_fused backward when the first 128-row block sees no key.
+    "bwd_first_block_sees_no_key": lambda c, m: c["grad"] and "IndexError" in m,
+    # 4. NaN in a query row: the kernel returns 0/-inf instead of NaN.
+    "nan_query_row": lambda c, m: c["nan"] is not None and c["nan"][0] == "q" and "NaN" in m,
+    # NEW (probably the root cause of 4): a NaN in k makes the compiled kernel return 0 / lse -inf for
+    # the rows that keep that key (NaN scores handled like masked ones); triton returns NaN out but
+    # lse -inf for them.
+    "nan_key_not_propagated": lambda c, m: c["nan"] is not None and c["nan"][0] == "k" and "NaN" in m
+    and c["backend"] in ("auto", "cpu_fused", "triton"),
+    # 5. triton GQA with max_seqlen_q <= 16 leaves rows that see no key unwritten.
+    "triton_gqa_unwritten_rows": lambda c, m: c["backend"] == "triton" and c["hq"] != c["hkv"]
+    and max(c["q_lens"] + [0]) <= 16 and (m.startswith("out") or m.startswith("lse")),
     # 1. compiled kernel, top-left alignment, a window whose start lies past the last key: NaN rows,
     #    or a crash with an empty key sequence.
     "tl_window_past_last_key": lambda c, m: _native(c) and c["alignment"] == "top_left" and c["window"] != (-1, -1)
     and "out" in m,
     # 2. a last dim of stride != 1 through cpu_fused's torch-op engines: wrong outputs.
     "strided_last_dim_torch_engines": lambda c, m: c["layout"] == "lastdim" and _torch_engines(c),
-    # 3. IndexError in cpu_fused backward when the first 128-row block sees no key.
-    "bwd_first_block_sees_no_key": lambda c, m: c["grad"] and "IndexError" in m,
-    # 4. NaN in a query row: the kernel returns 0/-inf instead of NaN.
-    "nan_query_row": lambda c, m: c["nan"] is not None and c["nan"][0] == "q" and "NaN" in m,
-    # 5. triton GQA with max_seqlen_q <= 16 leaves rows that see no key unwritten.
-    "triton_gqa_unwritten_rows": lambda c, m: c["backend"] == "triton" and c["hq"] != c["hkv"]
-    and max(c["q_lens"] + [0]) <= 16 and (m.startswith("out") or m.startswith("lse")),
-    # 6. window_size entries >= 2**63 accepted and wrapped.
-    "window_ge_2_63": lambda c, m: any(w >= 2**63 for w in c["window"]),
-    # 7. MATH loses autograd on an empty batch (total_q == 0 with requires_grad).
-    "math_empty_batch_autograd": lambda c, m: c["grad"] and sum(c["q_lens"]) == 0 and "autograd lost" in m,
     # 8. bf16 gradients far off on torch-op backward (paged/strided) with sharp softmaxes.
-    "bf16_torch_backward": lambda c, m: c["grad"] and c["dtype"] == "bfloat16" and m[:3] in ("dq:", "dk:", "dv:", "dk_")
+    "bf16_torch_backward": lambda c, m: c["grad"] and c["dtype"] == "bfloat16" and m.startswith(("dq", "dk", "dv"))
     and _torch_engines(c),
-    # 9. dropout_p=1.0 refused; alibi_slopes requires_grad gives no gradient.
-    "dropout_one_refused": lambda c, m: c["dropout"] == "one" and "dropout_p" in m,
-    # NEW (found by this fuzzer, not yet assigned): a window entry near the int64 maximum (a valid
-    # int, e.g. 2**63 - 1) overflows pos +/- window in MATH (positions.keep_mask), the compiled kernel
-    # (attention.cpp, window bounds) and triton (int32 conversion): rows lose every key.
-    "window_near_int64_max": lambda c, m: any(2**62 < w < 2**63 for w in c["window"]),
     # NEW (related to 8): the torch-op engines round bf16 scores to bf16 (blocked.matmul_dtype keeps
     # bf16 matmuls whenever a gradient is needed or no lse is asked for): the forward out and the
     # lse the caller asked for are off by ~|s| 2^-9 in the logits, far past bf16 rounding of the
@@ -1162,11 +1231,15 @@ def repro(case, backend_arg=None, entry_arg=None):
 
 
 class Stats:
-    def __init__(self):
+    def __init__(self, out=None):
         self.rows = defaultdict(lambda: defaultdict(int))
         self.failures = []   # (case, message, known classes)
+        self.out = out       # --verbose: a DONE line per case (what --chunk's parent counts)
 
     def add(self, case, status, message=""):
+        if self.out is not None:
+            print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status}",
+                  file=self.out, flush=True)
         for key in (case["backend"], f"{case['backend']}/{case['entry']}"):
             r = self.rows[key]
             r["calls"] += 1
@@ -1193,7 +1266,7 @@ def fuzz(seed, calls, *, start=0, backend=None, entry=None, verbose=False, out=s
          time_budget=None):
     """Run cases start..start+calls-1; returns Stats. ``known``: the KNOWN names to classify as known."""
     known = set(KNOWN) if known is None else set(known)
-    stats = Stats()
+    stats = Stats(out if verbose else None)
     t0 = time.time()
     for index in range(start, start + calls):
         if time_budget is not None and time.time() - t0 > time_budget:
@@ -1201,6 +1274,8 @@ def fuzz(seed, calls, *, start=0, backend=None, entry=None, verbose=False, out=s
         case = make_case(seed, index, backend, entry)
         if verbose:
             print(f"START {index} {json.dumps(case)}", file=out, flush=True)
+        if os.environ.get("JAGGED_SDPA_FUZZ_SELFTEST_CRASH") == str(index):  # tests --chunk's crash report
+            os.kill(os.getpid(), 11)
         try:
             status, detail = run_case(case)
             stats.add(case, status)
@@ -1230,6 +1305,7 @@ def _run_chunked(args):
     index, end = args.start, args.start + args.calls
     merged = defaultdict(lambda: defaultdict(int))
     counts = {"crash": 0}
+    classes = defaultdict(int)
     while index < end:
         n = min(args.chunk, end - index)
         cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(args.seed), "--start", str(index),
@@ -1238,32 +1314,41 @@ def _run_chunked(args):
             cmd += ["--backend", args.backend]
         if args.entry:
             cmd += ["--entry", args.entry]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=60 + 30 * n)
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(cmd, -9, exc.stdout or "", (exc.stderr or "") + "\ntimeout")
+            if isinstance(proc.stdout, bytes):
+                proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode() if isinstance(proc.stderr, bytes) else proc.stderr
         last = None
         for line in proc.stdout.splitlines():
             if line.startswith("START "):
                 last = int(line.split()[1])
+            elif line.startswith("DONE "):
+                _, _, backend, entry, grad, status = line.split()
+                stats.add({"index": -1, "backend": backend, "entry": entry, "grad": grad == "1"}, status)
             elif line.startswith("STATS "):
-                for key, row in json.loads(line[6:]).items():
-                    for col, v in row.items():
-                        merged[key][col] += v
+                pass
             else:
+                if line.startswith("KNOWN["):
+                    classes[line[6:line.index("]")]] += 1
+                elif line.startswith("FAIL "):
+                    classes["NEW"] += 1
                 print(line, flush=True)
         if proc.returncode != 0:
             crashed = last if last is not None else index
             case = make_case(args.seed, crashed, args.backend, args.entry)
             counts["crash"] += 1
+            classes["CRASH"] += 1
             print(f"CRASH (exit {proc.returncode}) {repro(case, args.backend, args.entry)}  # "
                   f"{case['backend']}/{case['entry']} {case['dtype']}: {proc.stderr.strip().splitlines()[-1:]}",
                   flush=True)
-            for key in (case["backend"], f"{case['backend']}/{case['entry']}"):
-                merged[key]["calls"] += 1
-                merged[key]["fail"] += 1
+            stats.add(case, "fail")
             index = crashed + 1
         else:
             index += n
-    stats.rows = merged
     print(stats.summary().rsplit("\nfailures by class", 1)[0])
+    print("failures by class: " + (", ".join(f"{k}={v}" for k, v in sorted(classes.items())) or "none"))
     print(f"crashes: {counts['crash']} (see FAIL/KNOWN/CRASH lines above)")
 
 

@@ -1,4 +1,4 @@
-"""The differential fuzzer (``tests/fuzz.py``) in CI: a fixed seed and call budget (~30 s here).
+"""The differential fuzzer (``tests/fuzz.py``) in CI: a fixed seed and call budget (400 calls, ~20 s of CPU here).
 
 Every failure prints a one-line repro (``PYTHONPATH=. python tests/fuzz.py --seed S --case I``).
 Long hunts: ``JAGGED_SDPA_FUZZ_CALLS=20000 pytest tests/test_fuzz.py`` or the command line
@@ -18,7 +18,7 @@ import torch
 import fuzz
 
 SEED = 20261124
-CALLS = int(os.environ.get("JAGGED_SDPA_FUZZ_CALLS", "100"))
+CALLS = int(os.environ.get("JAGGED_SDPA_FUZZ_CALLS", "400"))
 
 # One toggle per open bug class (see fuzz.KNOWN for each predicate and its bug).
 KNOWN_OPEN = {
@@ -34,6 +34,8 @@ KNOWN_OPEN = {
     "alibi_grad_none",                 # 9. alibi_slopes.requires_grad: no gradient
     "window_near_int64_max",           # new: window entries near 2**63 - 1 overflow pos +/- window
     "bf16_scores_torch_engines",       # new (related to 8): bf16-rounded scores in the torch-op forward
+    "meta_no_backend",                 # 9. meta tensors: NoBackendError (varlen), NotImplementedError (sdpa)
+    "nan_key_not_propagated",          # new (root cause of 4?): NaN in k -> rows 0 / lse -inf
 }
 
 

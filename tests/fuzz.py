@@ -1208,12 +1208,13 @@ KNOWN = {
     "nan_key_not_propagated": lambda c, m: c["nan"] is not None and c["nan"][0] == "k" and "NaN" in m
     and c["backend"] in ("auto", "cpu_fused", "triton"),
     # 5. triton GQA with max_seqlen_q <= 16 leaves rows that see no key unwritten.
+    #    (Garbage differs between runs: with dropout it shows as two different outputs for one seed.)
     "triton_gqa_unwritten_rows": lambda c, m: c["backend"] == "triton" and c["hq"] != c["hkv"]
-    and max(c["q_lens"] + [0]) <= 16 and (m.startswith("out") or m.startswith("lse")),
+    and max(c["q_lens"] + [0]) <= 16 and m.startswith(("out", "lse", "dropout")),
     # 1. compiled kernel, top-left alignment, a window whose start lies past the last key: NaN rows,
     #    or a crash with an empty key sequence.
     "tl_window_past_last_key": lambda c, m: _native(c) and c["alignment"] == "top_left" and c["window"] != (-1, -1)
-    and "out" in m,
+    and ("out" in m or (m.startswith("CRASH") and 0 in c["k_lens"])),
     # 2. a last dim of stride != 1 through cpu_fused's torch-op engines: wrong outputs.
     "strided_last_dim_torch_engines": lambda c, m: c["layout"] == "lastdim" and _torch_engines(c),
     # 8. bf16 gradients far off on torch-op backward (paged/strided) with sharp softmaxes.
@@ -1343,11 +1344,12 @@ def _run_chunked(args):
         if code != 0:
             crashed = last if last is not None else index
             case = make_case(args.seed, crashed, args.backend, args.entry)
-            classes["CRASH"] += 1
-            stats.add(case, "fail")
-            tail = stderr.strip().splitlines()[-1:] or [""]
-            print(f"CRASH (exit {code}) {repro(case, args.backend, args.entry)}  # "
-                  f"{case['backend']}/{case['entry']} {case['dtype']}: {tail[0][:200]}", flush=True)
+            known = classify(case, "CRASH")
+            classes[f"CRASH:{known[0]}" if known else "CRASH"] += 1
+            stats.add(case, "known" if known else "fail")
+            tail = [line for line in stderr.strip().splitlines() if "is_fx_tracing" not in line][-1:] or [""]
+            print(f"CRASH (exit {code}){f' KNOWN[{known[0]}]' if known else ''} {repro(case, args.backend, args.entry)}"
+                  f"  # {case['backend']}/{case['entry']} {case['dtype']}: {tail[0][:200]}", flush=True)
             index = crashed + 1
         else:
             index += n

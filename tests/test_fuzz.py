@@ -36,6 +36,7 @@ KNOWN_OPEN = {
     "bf16_scores_torch_engines",       # new (related to 8): bf16-rounded scores in the torch-op forward
     "meta_no_backend",                 # 9. meta tensors: NoBackendError (varlen), NotImplementedError (sdpa)
     "nan_key_not_propagated",          # new (root cause of 4?): NaN in k -> rows 0 / lse -inf
+    "triton_pack_gqa_empty_keys_crash",  # new (path of 5): segfault, pack-GQA with an empty key sequence
 }
 
 

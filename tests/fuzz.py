@@ -1200,13 +1200,21 @@ KNOWN = {
     "math_empty_batch_autograd": lambda c, m: c["grad"] and sum(c["q_lens"]) == 0 and "autograd lost" in m,
     # 3. IndexError in cpu_fused backward when the first 128-row block sees no key.
     "bwd_first_block_sees_no_key": lambda c, m: c["grad"] and "IndexError" in m,
+    # 2. a last dim of stride != 1 through cpu_fused's torch-op engines: wrong outputs (any symptom).
+    "strided_last_dim_torch_engines": lambda c, m: c["layout"] == "lastdim" and _torch_engines(c),
     # 4. NaN in a query row: the kernel returns 0/-inf instead of NaN.
-    "nan_query_row": lambda c, m: c["nan"] is not None and c["nan"][0] == "q" and "NaN" in m,
-    # NEW (probably the root cause of 4): a NaN in k makes the compiled kernel return 0 / lse -inf for
-    # the rows that keep that key (NaN scores handled like masked ones); triton returns NaN out but
-    # lse -inf for them.
+    "nan_query_row": lambda c, m: c["nan"] is not None and c["nan"][0] == "q" and "NaN" in m and _native(c),
+    # NEW (the same root cause as 4 in attention.cpp: vmax/std::max drop NaN, `!(l > 0)` calls a NaN
+    # row empty): a NaN in k gives 0 / lse -inf for the rows that keep that key.
     "nan_key_not_propagated": lambda c, m: c["nan"] is not None and c["nan"][0] == "k" and "NaN" in m
-    and c["backend"] in ("auto", "cpu_fused", "triton"),
+    and _native(c),
+    # NEW: the torch-op engines' grouped engine (grouped.py: PyTorch's fused CPU SDPA on padded
+    # groups; many short sequences, e.g. dense K/V) outputs 0 for a NaN query row.
+    "nan_query_row_torch_engines": lambda c, m: c["nan"] is not None and c["nan"][0] == "q"
+    and "NaN not propagated" in m and _torch_engines(c),
+    # NEW: triton writes lse -inf (out NaN) for a row whose scores are NaN (fwd.py: seen = l_i > 0).
+    "triton_nan_row_lse": lambda c, m: c["backend"] == "triton" and c["nan"] is not None
+    and m.startswith("lse: NaN mismatch"),
     # NEW (same code path as 5, worse): triton's pack-GQA forward (plans.pack_gqa: GQA and
     # max_seqlen_q <= 16) with an empty key sequence segfaults under the interpreter: an
     # out-of-bounds access (on a GPU: an illegal address or garbage). Seen only with --chunk.
@@ -1220,8 +1228,6 @@ KNOWN = {
     #    or a crash with an empty key sequence.
     "tl_window_past_last_key": lambda c, m: _native(c) and c["alignment"] == "top_left" and c["window"] != (-1, -1)
     and ("out" in m or (m.startswith("CRASH") and 0 in c["k_lens"])),
-    # 2. a last dim of stride != 1 through cpu_fused's torch-op engines: wrong outputs.
-    "strided_last_dim_torch_engines": lambda c, m: c["layout"] == "lastdim" and _torch_engines(c),
     # 8. bf16 gradients far off on torch-op backward (paged/strided) with sharp softmaxes.
     "bf16_torch_backward": lambda c, m: c["grad"] and c["dtype"] == "bfloat16" and m.startswith(("dq", "dk", "dv"))
     and _torch_engines(c),

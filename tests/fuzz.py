@@ -1209,8 +1209,9 @@ KNOWN = {
     "nan_key_not_propagated": lambda c, m: c["nan"] is not None and c["nan"][0] == "k" and "NaN" in m
     and _native(c),
     # NEW: the torch-op engines' grouped engine (grouped.py: PyTorch's fused CPU SDPA on padded
-    # groups; many short sequences, e.g. dense K/V) outputs 0 for a NaN query row.
-    "nan_query_row_torch_engines": lambda c, m: c["nan"] is not None and c["nan"][0] == "q"
+    # groups; many short sequences, e.g. dense K/V) outputs 0 for a row whose scores are NaN (a NaN
+    # in q, or in a key it keeps).
+    "nan_row_torch_engines": lambda c, m: c["nan"] is not None and c["nan"][0] in "qk"
     and "NaN not propagated" in m and _torch_engines(c),
     # NEW: triton writes lse -inf (out NaN) for a row whose scores are NaN (fwd.py: seen = l_i > 0).
     "triton_nan_row_lse": lambda c, m: c["backend"] == "triton" and c["nan"] is not None

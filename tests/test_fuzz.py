@@ -37,7 +37,7 @@ KNOWN_OPEN = {
     "meta_no_backend",                 # 9. meta tensors: NoBackendError (varlen), NotImplementedError (sdpa)
     "nan_key_not_propagated",          # new (root cause of 4?): NaN in k -> rows 0 / lse -inf
     "triton_pack_gqa_empty_keys_crash",  # new (path of 5): segfault, pack-GQA with an empty key sequence
-    "nan_query_row_torch_engines",     # new: grouped torch-op engine outputs 0 for a NaN query row
+    "nan_row_torch_engines",           # new: grouped torch-op engine outputs 0 for a NaN row (q or k)
     "triton_nan_row_lse",              # new: triton lse -inf for a NaN row
 }
 

@@ -77,6 +77,8 @@ def paged_case(q_lens, used, block_size, hkv, d, dtype=torch.float32, shared_fir
                 k_cache[blk, i % block_size], v_cache[blk, i % block_size] = kb[i], vb[i]
         packed_k.append(kb)
         packed_v.append(vb)
+    if not packed_k:  # an empty batch: no sequence, no keys
+        packed_k = packed_v = [torch.zeros(0, hkv, d, dtype=dtype)]
     return k_cache, v_cache, table, torch.tensor(used, dtype=torch.int32), torch.cat(packed_k), torch.cat(packed_v)
 
 

@@ -146,9 +146,9 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     return mask
 
 
-# Packed boundaries derived from position_ids, per tensor object (every layer of a forward gets the
-# same one): one host read per forward instead of one per layer.
-_POSITION_CACHE: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+# Packed boundaries derived from the last position_ids tensor seen (every layer of a forward gets the
+# same object): one host read per forward instead of one per layer. Holds a weak reference only.
+_last_positions: list = [None]  # (weakref to position_ids, (version, B, S), result)
 
 
 def _packed_from_position_ids(position_ids: torch.Tensor, B: int, S: int):
@@ -158,9 +158,9 @@ def _packed_from_position_ids(position_ids: torch.Tensor, B: int, S: int):
     compiling = torch.compiler.is_compiling()
     key = (position_ids._version, B, S)
     if not compiling:
-        hit = _POSITION_CACHE.get(position_ids)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        hit = _last_positions[0]
+        if hit is not None and hit[0]() is position_ids and hit[1] == key:
+            return hit[2]
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     if pos.shape[0] != B:
         pos = pos.expand(B, -1)
@@ -171,7 +171,7 @@ def _packed_from_position_ids(position_ids: torch.Tensor, B: int, S: int):
     n_seqs, max_len = torch.stack([cu.new_tensor(cu.numel() - 1), cu.diff().max()]).tolist()
     result = None if n_seqs == B else (cu, int(max_len))
     if not compiling:
-        _POSITION_CACHE[position_ids] = (key, result)
+        _last_positions[0] = (weakref.ref(position_ids), key, result)
     return result
 
 

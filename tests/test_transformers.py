@@ -116,15 +116,19 @@ def _check_grads(model, ref_grads):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side,positions", [("left", "generate"), ("left", "default"), ("right", "default")])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_padded_batch_logits_and_grads(models, family, side):
+def test_padded_batch_logits_and_grads(models, family, side, positions):
+    """positions="default": the model numbers tokens 0..L-1 itself (RoPE is relative, so scores are
+    unchanged) and only the mask tells where the padding is; "generate": position ids restart at the
+    first real token and padding repeats a position (as generate() builds them)."""
     eager, jagged = models(family)
     seqs = _sequences()
     weights = _weights(seqs)
     ref_logits, ref_grads = _reference(eager, seqs, weights)
 
     ids, mask, pos = _pad(seqs, side)
+    pos = pos if positions == "generate" else None
     jagged.zero_grad(set_to_none=True)
     logits = jagged(ids, attention_mask=mask, position_ids=pos).logits
     loss = 0
@@ -178,22 +182,27 @@ def test_packed_collator_kwargs_alone_define_the_sequences(models):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_greedy_generate_token_identical(models, family, cache):
-    """A left-padded batch of prompts of different lengths vs eager generating each prompt alone."""
+    """A left-padded batch of prompts of different lengths vs eager generating each prompt alone:
+    the same tokens, and the same logits at every step (tokens alone can hide a leak)."""
     eager, jagged = models(family)
     prompts = _sequences((7, 2, 5), seed=3)
     new = 8
+    greedy = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        refs = [eager.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=new, do_sample=False)[0, len(p):] for p in prompts]
+        refs = [eager.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **greedy)
+                for p in prompts]
         ids, mask, _ = _pad(prompts, "left")
         if cache == "static":
             past = StaticCache(config=jagged.config, max_cache_len=ids.shape[1] + new + 3)
         else:
             past = DynamicCache(config=jagged.config)
-        out = jagged.generate(ids, attention_mask=mask, past_key_values=past, max_new_tokens=new, do_sample=False)
+        out = jagged.generate(ids, attention_mask=mask, past_key_values=past, **greedy)
     assert type(past) is {"static": StaticCache, "dynamic": DynamicCache}[cache]
-    for b, ref in enumerate(refs):
-        assert out[b, ids.shape[1]:].tolist() == ref.tolist(), f"sequence {b}"
+    for b, (p, ref) in enumerate(zip(prompts, refs)):
+        assert out.sequences[b, ids.shape[1]:].tolist() == ref.sequences[0, len(p):].tolist(), f"sequence {b}"
+        for step, (got, want) in enumerate(zip(out.logits, ref.logits)):
+            torch.testing.assert_close(got[b], want[0], rtol=1e-4, atol=1e-3,
+                                       msg=lambda m, b=b, step=step: f"sequence {b}, step {step}: {m}")
 
 
 def test_static_generate_without_padding(models):

@@ -15,7 +15,7 @@ contenders alike:
 Before timing, every contender's loss is checked against eager's and its generated tokens must be
 identical to eager's; the padding waste (% of the padded batch that is padding) is printed.
 
-Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 256] [--rounds 5] [--new-tokens 16]
+Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 256] [--rounds 7] [--new-tokens 16]
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--prompt-max-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--gen-rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gen-rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

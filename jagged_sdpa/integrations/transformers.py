@@ -62,6 +62,8 @@ class _Unpad:
     max_seqlen_q: int
     max_seqlen_k: int
     holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
+    rows_q: tuple  # (batch index, position) of each valid query: gathers straight from (B, H, Q, D)
+    rows_k: tuple
 
 
 def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
@@ -81,14 +83,19 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
         [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32)]
     ).tolist()
     pad = torch.nn.functional.pad
+    indices_q = query_valid.flatten().nonzero().flatten()
+    indices_k = key_valid.flatten().nonzero().flatten()
+    Q = query_valid.shape[1]
     return _Unpad(
-        indices_q=query_valid.flatten().nonzero().flatten(),
-        indices_k=key_valid.flatten().nonzero().flatten(),
+        indices_q=indices_q,
+        indices_k=indices_k,
         cu_seqlens_q=pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0)),
         cu_seqlens_k=pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0)),
         max_seqlen_q=int(max_q),
         max_seqlen_k=int(max_k),
         holes=bool(has_holes),
+        rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
+        rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
     )
 
 
@@ -231,9 +238,10 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "continued by generate); with a sliding window the distances would differ from eager. "
                 "Use left padding for generation"
             )
-        q = q.reshape(B * Q, Hq, D).index_select(0, info.indices_q)
-        k = k.reshape(B * K, Hkv, D).index_select(0, info.indices_k)
-        v = v.reshape(B * K, Hkv, Dv).index_select(0, info.indices_k)
+        # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
+        q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)
+        k = key[info.rows_k[0], :, info.rows_k[1]]
+        v = value[info.rows_k[0], :, info.rows_k[1]]
         out = varlen_attention(q, k, v, info.cu_seqlens_q, info.cu_seqlens_k, info.max_seqlen_q,
                                info.max_seqlen_k, **options)
         full = out.new_zeros(B * Q, Hq, Dv).index_copy(0, info.indices_q, out)

@@ -15,7 +15,11 @@ contenders alike:
 Before timing, every contender's loss is checked against eager's and its generated tokens must be
 identical to eager's; the padding waste (% of the padded batch that is padding) is printed.
 
-Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 256] [--rounds 7] [--new-tokens 16]
+Threads: 1 by default. The CPU machines are shared 2-core VMs; with 2 threads, every small op's
+OpenMP barrier waits for a core another process holds, which adds noise of the order of the
+differences measured (a 150 KB copy took 20 us on 1 thread and 500 us on 2). --threads 2 for both.
+
+Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 512] [--rounds 7] [--new-tokens 32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -66,15 +70,17 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--prompt-max-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--prompt-max-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--gen-rounds", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)

@@ -26,6 +26,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     StaticCache,
 )
+from transformers import masking_utils  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
@@ -274,8 +275,16 @@ def test_bad_masks_are_refused(models):
         jt.jagged_attention_mask(2, 5, 5, attention_mask=torch.ones(3, 5))
     with pytest.raises(ValueError, match="sliding_window: must be a positive int"):
         jt.jagged_attention_forward(attn, q, kv, kv, None, sliding_window=0)
-    with pytest.raises(ValueError, match="custom mask overlay"):
+    with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
         jt.jagged_attention_mask(2, 5, 5, attention_mask=None, use_vmap=True)
+    blockwise = masking_utils.or_masks(masking_utils.causal_mask_function,
+                                       masking_utils.blockwise_overlay(torch.zeros(2, 5, dtype=torch.long)))
+    with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
+        jt.jagged_attention_mask(2, 5, 5, mask_function=blockwise, attention_mask=None)
+    chunked = LlamaConfig(**COMMON)
+    chunked.attention_chunk_size = 4
+    with pytest.raises(ValueError, match="config.attention_chunk_size: chunked attention"):
+        jt.jagged_attention_mask(2, 5, 5, attention_mask=None, config=chunked, local_size=4)
 
 
 def test_register_is_idempotent_and_returns_the_name():

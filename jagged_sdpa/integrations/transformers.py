@@ -49,6 +49,7 @@ DEFAULT_NAME = "jagged"
 _logger = logging.getLogger("jagged_sdpa")
 _UNPAD_ATTR = "_jagged_sdpa_unpad"
 _BUILTIN_NAMES = ("eager", "sdpa", "flex_attention", "paged|eager")
+_warned_output_attentions = [False]
 
 
 @dataclass
@@ -114,11 +115,20 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
     evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
     """
-    if use_vmap:
+    # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
+    # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
+    if use_vmap or getattr(mask_function, "__name__", "") == "or_mask":
         raise ValueError(
-            "jagged attention: this model adds a custom mask overlay (or_mask_function/and_mask_function, "
-            "e.g. bidirectional image tokens); jagged_sdpa supports causal, sliding-window and padding "
-            "masks only -- use attn_implementation='eager' or 'sdpa' for this model"
+            "mask_function: this model adds a custom mask overlay (or_mask_function/and_mask_function or "
+            "block_sequence_ids, e.g. bidirectional image tokens); jagged attention supports causal, "
+            "sliding-window and padding masks only -- use attn_implementation='eager' or 'sdpa' for this model"
+        )
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk is not None and kwargs.get("local_size") == chunk:
+        raise ValueError(
+            f"config.attention_chunk_size: chunked attention ({chunk}) is not supported by jagged attention "
+            "-- use attn_implementation='eager' or 'sdpa' for this model"
         )
     Q, K = int(q_length), int(kv_length)
     if attention_mask is None and isinstance(q_offset, int) and q_offset + Q == kv_offset + K:
@@ -205,7 +215,8 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             raise ValueError(f"{unsupported}: not supported by jagged attention (use attn_implementation='eager')")
     if kwargs.get("cache") is not None:
         raise ValueError("cache: paged (continuous batching) caches are not supported by jagged attention")
-    if kwargs.get("output_attentions", False):
+    if kwargs.get("output_attentions", False) and not _warned_output_attentions[0]:
+        _warned_output_attentions[0] = True
         _logger.warning("jagged attention does not compute attention weights; output_attentions gives None")
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(

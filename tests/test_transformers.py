@@ -305,3 +305,20 @@ def test_import_error_without_transformers(monkeypatch):
     monkeypatch.delitem(sys.modules, "jagged_sdpa.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install \"jagged_sdpa\[transformers\]\""):
         importlib.import_module("jagged_sdpa.integrations.transformers")
+
+
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.TorchDynamoException, reason="varlen_attention is not a torch.library custom op yet (API.md section 7, "
+                                       "issue 12's compile part): dynamo fails on its host read of cu_seqlens")
+def test_padding_free_compiles_fullgraph(models):
+    """API.md section 8: padding-free mode compiles with fullgraph=True. The integration passes the
+    collator's max lengths as ints and reads no tensor data on that path; strict xfail so that this
+    test reports when the library's custom ops land and the marker can go."""
+    _, jagged = models("llama")
+    seqs = _sequences()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in seqs],
+                                                                      return_tensors="pt")
+    batch.pop("labels")
+    with torch.no_grad():
+        ref = jagged(**batch).logits
+        got = torch.compile(jagged, fullgraph=True)(**batch).logits
+    torch.testing.assert_close(got, ref, **TOL)

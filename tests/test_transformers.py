@@ -206,6 +206,40 @@ def test_greedy_generate_token_identical(models, family, cache):
                                        msg=lambda m, b=b, step=step: f"sequence {b}, step {step}: {m}")
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_chunk_continuation_with_cache(models, family, cache):
+    """Several new queries at once on top of a cache (chunked prefill, chat continuation): bottom-right
+    alignment with Q > 1, padded rows, and for sliding layers a cache that already dropped keys
+    (Mistral's window 4 < the 7 cached tokens) or a full static sliding layer (Gemma2)."""
+    eager, jagged = models(family)
+    full = _sequences((10, 4, 7), seed=5)
+    with torch.no_grad():
+        refs = [eager(s[None]).logits[0, -3:] for s in full]
+        ids, mask, pos = _pad(full, "left")  # left padding: the last 3 columns continue every row
+        if cache == "static":
+            past = StaticCache(config=jagged.config, max_cache_len=ids.shape[1] + 2)
+        else:
+            past = DynamicCache(config=jagged.config)
+        jagged(ids[:, :-3], attention_mask=mask[:, :-3], position_ids=pos[:, :-3], past_key_values=past)
+        logits = jagged(ids[:, -3:], attention_mask=mask, position_ids=pos[:, -3:], past_key_values=past).logits
+    for b, ref in enumerate(refs):
+        torch.testing.assert_close(logits[b], ref, **TOL, msg=lambda m, b=b: f"sequence {b}: {m}")
+
+
+def test_from_pretrained_with_the_registered_name(tmp_path, models):
+    """The loader accepts the name for a family with SDPA disabled (Gemma2) from a local checkpoint."""
+    eager, _ = models("gemma2")
+    eager.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=jt.register()).eval()
+    assert loaded.config._attn_implementation == "jagged"
+    ids, mask, _ = _pad(_sequences(), "left")
+    with torch.no_grad():
+        got = loaded(ids, attention_mask=mask).logits
+        want = eager(ids[1:2, -LENGTHS[1]:]).logits[0]
+    torch.testing.assert_close(got[1, -LENGTHS[1]:], want, **TOL)
+
+
 def test_static_generate_without_padding(models):
     """generate() drops an all-ones mask for non-flash names: the mask function must rebuild the
     real length, or zero-filled static cache slots get attended."""

@@ -240,16 +240,21 @@ def test_from_pretrained_with_the_registered_name(tmp_path, models):
     torch.testing.assert_close(got[1, -LENGTHS[1]:], want, **TOL)
 
 
-def test_static_generate_without_padding(models):
+@pytest.mark.parametrize("family,prompt_len", [("llama", 6), ("gemma2", 2)])
+def test_static_generate_without_padding(models, family, prompt_len):
     """generate() drops an all-ones mask for non-flash names: the mask function must rebuild the
-    real length, or zero-filled static cache slots get attended."""
-    eager, jagged = models("llama")
-    prompt = _sequences((6,), seed=4)[0][None]
+    real length, or zero-filled static cache slots get attended. Gemma2 with a 2-token prompt walks
+    its static sliding layers (window 4) through not-yet-full, becoming-full and rolling states."""
+    eager, jagged = models(family)
+    prompt = _sequences((prompt_len,), seed=4)[0][None]
+    greedy = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ref = eager.generate(prompt, max_new_tokens=6, do_sample=False)
+        ref = eager.generate(prompt, **greedy)
         past = StaticCache(config=jagged.config, max_cache_len=20)
-        out = jagged.generate(prompt, past_key_values=past, max_new_tokens=6, do_sample=False)
-    assert out.tolist() == ref.tolist()
+        out = jagged.generate(prompt, past_key_values=past, **greedy)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    for step, (got, want) in enumerate(zip(out.logits, ref.logits)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3, msg=lambda m, step=step: f"step {step}: {m}")
 
 
 def test_dropout_applied_only_in_training(models):

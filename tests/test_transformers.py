@@ -41,7 +41,8 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=4),  # window < every test sequence but one
     "gemma2": lambda: Gemma2Config(**COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
                                    attn_logit_softcapping=2.0, final_logit_softcapping=30.0),
-    "qwen2": lambda: Qwen2Config(**COMMON),
+    # Qwen2's own hybrid: layer 0 full, layer 1 sliding (window 5)
+    "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1),
 }
 LENGTHS = (11, 3, 8)
 TOL = dict(rtol=1e-4, atol=1e-4)

@@ -1,0 +1,180 @@
+"""transformers benchmark (issue 12): attn_implementation="jagged" against "sdpa" and "eager".
+
+One random-weight Llama (built from a config, no download), one ragged batch of sequences padded to
+its longest (right padding for training, left padding for generation, as usual), the same weights
+for every contender. Timed side by side in one process, in interleaved rounds (round r runs every
+contender once, in turn; the table shows medians), so that the load of a shared machine hits all
+contenders alike:
+
+  train     one optimizer-free training step: forward + loss + backward on the padded batch.
+            tokens/s counts real (non-padding) tokens only.
+            "jagged packed" is the same sequences packed padding-free into one row
+            (DataCollatorWithFlattening), where no layer (not only attention) spends work on padding.
+  generate  batched greedy generation (DynamicCache) from the left-padded prompts; new tokens/s.
+
+Before timing, every contender's loss is checked against eager's and its generated tokens must be
+identical to eager's; the padding waste (% of the padded batch that is padding) is printed.
+
+Threads: 1 by default. The CPU machines are shared 2-core VMs; with 2 threads, every small op's
+OpenMP barrier waits for a core another process holds, which adds noise of the order of the
+differences measured (a 150 KB copy took 20 us on 1 thread and 500 us on 2). --threads 2 for both.
+
+Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 512] [--rounds 7] [--new-tokens 32] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, DynamicCache, LlamaConfig  # noqa: E402
+
+from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+
+VOCAB = 512
+
+
+def ragged_lengths(batch: int, max_len: int, gen: torch.Generator) -> list[int]:
+    """Log-normal lengths (a few long sequences, many short ones), the longest exactly max_len."""
+    raw = torch.empty(batch).log_normal_(mean=0.0, std=0.8, generator=gen)
+    lengths = (raw / raw.max() * max_len).round().clamp(min=8).long().tolist()
+    return [int(n) for n in lengths]
+
+
+def pad(seqs: list[torch.Tensor], side: str):
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = s, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--prompt-max-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gen-rounds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    name = jt.register()
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=max(args.max_len, args.prompt_max_len + args.new_tokens),
+                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    models = {}
+    for impl in ("eager", "sdpa", name):
+        # from_config writes attn_implementation into the config: one copy per model
+        models[impl] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+        if impl != "eager":
+            models[impl].load_state_dict(models["eager"].state_dict())
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; Llama hidden {args.hidden}, {args.layers} layers, 8 query / 2 kv heads, fp32")
+
+    # ---------------------------------------------------------------- training step
+    lengths = ragged_lengths(args.batch, args.max_len, gen)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
+    ids, mask, labels = pad(seqs, "right")
+    waste = 1 - mask.sum().item() / mask.numel()
+    real = int(mask.sum())
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": s.tolist()} for s in seqs], return_tensors="pt")
+    print(f"\ntraining batch: {args.batch} sequences, lengths {sorted(lengths, reverse=True)}, padded to "
+          f"{ids.shape[1]}: {real} real tokens of {mask.numel()} ({100 * waste:.0f}% padding)")
+
+    def train_step(impl, packed_mode=False):
+        model = models[impl].train()
+        model.zero_grad(set_to_none=True)
+        if packed_mode:
+            loss = model(**packed).loss
+        else:
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+
+    contenders = [("eager", "eager", False), ("sdpa", "sdpa", False), (f"{name} (padded)", name, False),
+                  (f"{name} (packed)", name, True)]
+    ref = train_step("eager")
+    for label, impl, pm in contenders[1:]:
+        # the packed loss averages over the same target tokens (the collator masks each first token)
+        got = train_step(impl, pm)
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
+            raise SystemExit(f"{label}: loss {got.item():.6f} differs from eager's {ref.item():.6f}")
+    train_times = {label: [] for label, _, _ in contenders}
+    for _ in range(args.rounds):
+        for label, impl, pm in contenders:
+            train_times[label].append(timed(lambda: train_step(impl, pm)))
+
+    # ---------------------------------------------------------------- generation
+    p_lengths = ragged_lengths(args.batch, args.prompt_max_len, gen)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in p_lengths]
+    p_ids, p_mask, _ = pad(prompts, "left")
+    p_waste = 1 - p_mask.sum().item() / p_mask.numel()
+    print(f"generation: {args.batch} prompts, lengths {sorted(p_lengths, reverse=True)}, left-padded to "
+          f"{p_ids.shape[1]} ({100 * p_waste:.0f}% padding), {args.new_tokens} new tokens each, greedy, DynamicCache")
+
+    def generate(impl):
+        model = models[impl].eval()
+        with torch.no_grad():
+            return model.generate(p_ids, attention_mask=p_mask, past_key_values=DynamicCache(config=model.config),
+                                  max_new_tokens=args.new_tokens, do_sample=False)
+
+    gen_contenders = [("eager", "eager"), ("sdpa", "sdpa"), (f"{name} (padded)", name)]
+    ref_tokens = generate("eager")
+    for label, impl in gen_contenders[1:]:
+        if not torch.equal(generate(impl), ref_tokens):
+            raise SystemExit(f"{label}: generated tokens differ from eager's")
+    gen_times = {label: [] for label, _ in gen_contenders}
+    for _ in range(args.gen_rounds):
+        for label, impl in gen_contenders:
+            gen_times[label].append(timed(lambda: generate(impl)))
+
+    # ---------------------------------------------------------------- table
+    new_total = args.batch * args.new_tokens
+    base_train = statistics.median(train_times["eager"])
+    base_gen = statistics.median(gen_times["eager"])
+    print(f"\nmedians of {args.rounds} (train) / {args.gen_rounds} (generate) interleaved rounds; "
+          "losses and generated tokens checked against eager")
+    print(f"{'contender':<18} {'train step ms':>13} {'real tokens/s':>13} {'vs eager':>8}   "
+          f"{'generate ms':>11} {'new tokens/s':>12} {'vs eager':>8}")
+    for label, _, _ in contenders:
+        t = statistics.median(train_times[label])
+        row = f"{label:<18} {1e3 * t:>13.1f} {real / t:>13,.0f} {base_train / t:>7.2f}x   "
+        if label in gen_times:
+            g = statistics.median(gen_times[label])
+            row += f"{1e3 * g:>11.1f} {new_total / g:>12,.0f} {base_gen / g:>7.2f}x"
+        else:
+            row += f"{'-':>11} {'-':>12} {'-':>8}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Hugging Face transformers integration: ``attn_implementation="jagged"``.
+
+    from jagged_sdpa.integrations import transformers as jt
+    name = jt.register()                      # "jagged"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+``register`` installs two functions in transformers:
+
+- an attention-mask function (``AttentionMaskInterface``). Without one, transformers hands a
+  custom attention function ``attention_mask=None`` and padding is silently ignored. Ours turns
+  the 2-D padding mask and the cache geometry (query/key offsets, static cache slots not yet
+  written) into a compact bool mask ``(B, 1, 1, Q + K)`` -- query validity then key validity, no
+  ``Q x K`` matrix -- and computes the unpadding indices and lengths once per forward;
+- an attention function (``AttentionInterface``) that unpads queries/keys/values with them, runs
+  ``jagged_sdpa.varlen_attention`` (causal is bottom-right: new queries see every cached key;
+  GQA without repeating K/V; sliding window, softcap, scaling and dropout from the module) and
+  re-pads the output (padded query rows are zeros). Without padding it reads packed sequences
+  from ``cu_seq_lens_q/k`` + ``max_length_q/k`` (``DataCollatorWithFlattening``) or from
+  ``position_ids`` that do not continue by +1.
+
+The name avoids "sdpa" and "flash": transformers applies its SDPA dispatch rules to names with
+"sdpa" (and ~20 model families, e.g. Gemma2, then refuse it), and tries to fetch a Hub kernel for
+names with "flash".
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import transformers as _transformers  # noqa: F401  (the real package: absolute import)
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+except ImportError as _err:  # pragma: no cover - exercised by a test that hides transformers
+    raise ImportError(
+        "jagged_sdpa.integrations.transformers needs Hugging Face transformers, which is not "
+        "installed: pip install \"jagged_sdpa[transformers]\" (or pip install transformers)"
+    ) from _err
+
+from jagged_sdpa.api import varlen_attention
+
+__all__ = ["register", "jagged_attention_forward", "jagged_attention_mask", "DEFAULT_NAME"]
+
+DEFAULT_NAME = "jagged"
+_logger = logging.getLogger("jagged_sdpa")
+_UNPAD_ATTR = "_jagged_sdpa_unpad"
+_BUILTIN_NAMES = ("eager", "sdpa", "flex_attention", "paged|eager")
+_warned_output_attentions = [False]
+
+
+@dataclass
+class _Unpad:
+    """Where the valid queries/keys of a padded batch are, computed once per forward."""
+
+    indices_q: torch.Tensor  # int64 (total_q,): rows of the flattened (B*Q) queries that are real
+    indices_k: torch.Tensor  # int64 (total_k,)
+    cu_seqlens_q: torch.Tensor  # int32 (B+1,)
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
+    rows_q: tuple  # (batch index, position) of each valid query: gathers straight from (B, H, Q, D)
+    rows_k: tuple
+
+
+def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
+    """Unpadding data from bool (B, Q) / (B, K) validity, with one host read for the ints."""
+    lens_q = query_valid.sum(1, dtype=torch.int32)
+    lens_k = key_valid.sum(1, dtype=torch.int32)
+    K = key_valid.shape[1]
+    if K > 0:
+        kv = key_valid.to(torch.int8)
+        first = kv.argmax(1)
+        last = K - 1 - kv.flip(1).argmax(1)
+        holes = ((lens_k > 0) & (last - first + 1 != lens_k)).any()
+    else:
+        holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
+    zero = lens_q.new_zeros(1)
+    max_q, max_k, has_holes = torch.stack(
+        [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32)]
+    ).tolist()
+    pad = torch.nn.functional.pad
+    indices_q = query_valid.flatten().nonzero().flatten()
+    indices_k = key_valid.flatten().nonzero().flatten()
+    Q = query_valid.shape[1]
+    return _Unpad(
+        indices_q=indices_q,
+        indices_k=indices_k,
+        cu_seqlens_q=pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0)),
+        cu_seqlens_k=pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0)),
+        max_seqlen_q=int(max_q),
+        max_seqlen_k=int(max_k),
+        holes=bool(has_holes),
+        rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
+        rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
+    )
+
+
+def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                          attention_mask=None, use_vmap=False, device=None, **kwargs):
+    """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
+
+    Called by ``create_causal_mask`` / ``create_sliding_window_causal_mask`` once per forward with
+    the 2-D padding mask (columns = absolute token positions) and the cache geometry: query i is at
+    absolute position ``q_offset + i``, key slot j at ``kv_offset + j``. Returns ``None`` when every
+    query and key slot is a real token, else a bool ``(B, 1, 1, Q + K)`` tensor: query validity then
+    key validity (4-D so that transformers passes it through unchanged, e.g. from ``generate``'s
+    static-cache mask preparation to the model). Static caches have key slots not yet written: with
+    no 2-D mask (``generate`` drops an all-ones mask for non-flash names) the valid keys are
+    rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
+    attention function (bottom-right causal, window from the module), so ``mask_function`` is not
+    evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
+    """
+    # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
+    # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
+    if use_vmap or getattr(mask_function, "__name__", "") == "or_mask":
+        raise ValueError(
+            "mask_function: this model adds a custom mask overlay (or_mask_function/and_mask_function or "
+            "block_sequence_ids, e.g. bidirectional image tokens); jagged attention supports causal, "
+            "sliding-window and padding masks only -- use attn_implementation='eager' or 'sdpa' for this model"
+        )
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk is not None and kwargs.get("local_size") == chunk:
+        raise ValueError(
+            f"config.attention_chunk_size: chunked attention ({chunk}) is not supported by jagged attention "
+            "-- use attn_implementation='eager' or 'sdpa' for this model"
+        )
+    Q, K = int(q_length), int(kv_length)
+    if attention_mask is None and isinstance(q_offset, int) and q_offset + Q == kv_offset + K:
+        return None  # every key slot holds a real token: dense path (or packed via position_ids)
+    total = kv_offset + K
+    if attention_mask is None:
+        dev = device if device is not None else "cpu"
+        positions = torch.arange(total, device=dev)
+        valid = (positions < q_offset + Q).unsqueeze(0).expand(batch_size, total)
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+            raise ValueError(
+                "attention_mask: jagged attention expects the 2-D padding mask (batch, tokens) "
+                f"here, got {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+            )
+        if attention_mask.shape[0] != batch_size:
+            raise ValueError(
+                f"attention_mask: batch size {attention_mask.shape[0]} does not match the inputs' {batch_size}"
+            )
+        valid = attention_mask.to(torch.bool)
+        if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
+            valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
+    key_valid = valid[:, kv_offset:total]
+    q_positions = torch.arange(Q, device=valid.device) + q_offset
+    query_valid = valid.index_select(1, q_positions)
+    info = _unpad_from_validity(query_valid, key_valid)
+    if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
+            and info.indices_k.numel() == batch_size * K:
+        return None  # no padding after all: the dense path needs no indices
+    mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
+    setattr(mask, _UNPAD_ATTR, info)
+    return mask
+
+
+# Packed boundaries derived from the last position_ids tensor seen (every layer of a forward gets the
+# same object): one host read per forward instead of one per layer. Holds a weak reference only.
+_last_positions: list = [None]  # (weakref to position_ids, (version, B, S), result)
+
+
+def _packed_from_position_ids(position_ids: torch.Tensor, B: int, S: int):
+    """cu_seqlens and max length of the sequences packed in each row: a new one wherever positions
+    do not continue by +1 (transformers' ``find_packed_sequence_indices`` rule). None if each row
+    is one sequence."""
+    compiling = torch.compiler.is_compiling()
+    key = (position_ids._version, B, S)
+    if not compiling:
+        hit = _last_positions[0]
+        if hit is not None and hit[0]() is position_ids and hit[1] == key:
+            return hit[2]
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if pos.shape[0] != B:
+        pos = pos.expand(B, -1)
+    starts = torch.ones(B, S, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    begin = starts.flatten().nonzero().flatten().to(torch.int32)
+    cu = torch.cat([begin, begin.new_tensor([B * S])])
+    n_seqs, max_len = torch.stack([cu.new_tensor(cu.numel() - 1), cu.diff().max()]).tolist()
+    result = None if n_seqs == B else (cu, int(max_len))
+    if not compiling:
+        _last_positions[0] = (weakref.ref(position_ids), key, result)
+    return result
+
+
+def _as_int(x, name):
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name}: expected an int or a one-element tensor, got shape {tuple(x.shape)}")
+        return int(x.item())
+    if not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    return x
+
+
+def jagged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """transformers attention function backed by ``jagged_sdpa.varlen_attention``.
+
+    Same contract as transformers' ``sdpa_attention_forward``: query ``(B, Hq, Q, D)``, key/value
+    ``(B, Hkv, K, D)`` (cache included) -> ``(output (B, Q, Hq, Dv), None)``. Attention weights are
+    never materialised, so ``output_attentions`` yields ``None`` (as with sdpa/flash).
+    """
+    for unsupported in ("s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{unsupported}: not supported by jagged attention (use attn_implementation='eager')")
+    if kwargs.get("cache") is not None:
+        raise ValueError("cache: paged (continuous batching) caches are not supported by jagged attention")
+    if kwargs.get("output_attentions", False) and not _warned_output_attentions[0]:
+        _warned_output_attentions[0] = True
+        _logger.warning("jagged attention does not compute attention weights; output_attentions gives None")
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(
+            f"query/key/value: expected (batch, heads, seq, head_dim) tensors, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    B, Hq, Q, D = query.shape
+    K, Hkv, Dv = key.shape[2], key.shape[1], value.shape[-1]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (-1, -1)
+    if sliding_window is not None:
+        sw = _as_int(sliding_window, "sliding_window")
+        if sw <= 0:
+            raise ValueError(f"sliding_window: must be a positive int, got {sw}")
+        # eager: causal keeps kv > q - sw (sw tokens including itself); bidirectional |q - kv| <= sw
+        window = (sw - 1, 0) if causal else (sw, sw)
+    dropout_p = float(dropout) if module.training else 0.0
+    options = dict(dropout_p=dropout_p, softmax_scale=scaling, causal=causal, window_size=window,
+                   softcap=float(softcap) if softcap else 0.0)
+
+    q = query.transpose(1, 2)  # (B, Q, Hq, D)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+
+    if attention_mask is not None:
+        info = _unpad_info(attention_mask, B, Q, K)
+        if info.holes and window != (-1, -1):
+            raise ValueError(
+                "attention_mask: a row has padding between real tokens (e.g. a right-padded prompt "
+                "continued by generate); with a sliding window the distances would differ from eager. "
+                "Use left padding for generation"
+            )
+        # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
+        q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)
+        k = key[info.rows_k[0], :, info.rows_k[1]]
+        v = value[info.rows_k[0], :, info.rows_k[1]]
+        out = varlen_attention(q, k, v, info.cu_seqlens_q, info.cu_seqlens_k, info.max_seqlen_q,
+                               info.max_seqlen_k, **options)
+        full = out.new_zeros(B * Q, Hq, Dv).index_copy(0, info.indices_q, out)
+        return full.view(B, Q, Hq, Dv), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)  # no-op when already int32
+        max_q, max_k = _as_int(max_q, "max_length_q"), _as_int(max_k, "max_length_k")
+    else:
+        packed = None
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and Q == K and Q > 1 and position_ids.shape[-1] == Q:
+            packed = _packed_from_position_ids(position_ids, B, Q)
+        if packed is not None:
+            cu_q, max_q = packed
+            cu_k, max_k = cu_q, max_q
+        else:  # dense: B sequences of Q queries and K keys (new queries are the last keys)
+            cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
+            cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=query.device)
+            max_q, max_k = Q, K
+    out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, Hkv, D), v.reshape(B * K, Hkv, Dv),
+                           cu_q, cu_k, max_q, max_k, **options)
+    return out.view(B, Q, Hq, Dv), None
+
+
+def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
+    """The unpadding data of a mask: cached on the masks ``jagged_attention_mask`` builds; a bool
+    ``(B, 1, 1, Q + K)`` or a 2-D ``(B, L >= K)`` padding mask (keys = its last K columns, queries
+    its last Q: the flash convention) is also read directly."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
+    info = getattr(mask, _UNPAD_ATTR, None)
+    if info is not None and mask.shape == (B, 1, 1, Q + K):
+        return info
+    if mask.dtype == torch.bool and mask.shape == (B, 1, 1, Q + K):
+        flat = mask.view(B, Q + K)
+        return _unpad_from_validity(flat[:, :Q], flat[:, Q:])
+    if mask.ndim == 2 and mask.shape[0] == B and mask.shape[1] >= K >= Q:
+        valid = mask.to(torch.bool)
+        return _unpad_from_validity(valid[:, -Q:], valid[:, -K:])
+    raise ValueError(
+        f"attention_mask: jagged attention got a {mask.dtype} mask of shape {tuple(mask.shape)}, not one "
+        f"built by its mask function (bool (B, 1, 1, Q + K) = ({B}, 1, 1, {Q + K})) nor a 2-D padding mask. "
+        "Build the model with attn_implementation=jagged_sdpa.integrations.transformers.register() so that "
+        "transformers uses the matching mask function"
+    )
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register the jagged attention and its mask function under ``name`` and return the name.
+
+    Idempotent. Names containing "sdpa" or "flash" are refused (transformers gives them special
+    treatment, see the module docstring), and so are transformers' own implementations' names.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    if not name or name != name.strip():
+        raise ValueError(f"name: expected a non-empty name without surrounding spaces, got {name!r}")
+    lowered = name.lower()
+    if "sdpa" in lowered or "flash" in lowered:
+        raise ValueError(
+            f"name: {name!r} contains 'sdpa' or 'flash'; transformers would apply its SDPA dispatch rules "
+            "or try to load a Hub flash kernel for it. Choose another name (default 'jagged')"
+        )
+    attn_existing = AttentionInterface._global_mapping.get(name)
+    mask_existing = AttentionMaskInterface._global_mapping.get(name)
+    if name in _BUILTIN_NAMES or attn_existing not in (None, jagged_attention_forward) \
+            or mask_existing not in (None, jagged_attention_mask):
+        raise ValueError(f"name: {name!r} is already registered in transformers for another attention")
+    AttentionInterface.register(name, jagged_attention_forward)
+    AttentionMaskInterface.register(name, jagged_attention_mask)
+    return name

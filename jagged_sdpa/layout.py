@@ -45,8 +45,11 @@ def read_host(*tensors: Tensor) -> list[list[int]]:
     A tensor passed twice (self-attention: the same cu_seqlens for q and k) is read once and its
     list returned for both. CPU tensors are read one by one (no transfer to batch; a ``cat``
     would cost more than the reads). Tests count calls to it to prove that a call makes at most
-    one read, or none.
+    one read, or none. Meta tensors hold no lengths to read: a ValueError says what to pass.
     """
+    if any(t.device.type == "meta" for t in tensors):
+        raise ValueError("meta tensors hold no lengths to read: pass max_seqlen_q/max_seqlen_k (or NJTs with a "
+                         "cached max seqlen) to describe a call with explain()")
     if len(tensors) == 1:
         return [tensors[0].reshape(-1).tolist()]
     unique = []

@@ -84,8 +84,16 @@ GROUPED_PAIRS = 64 * 64
 GROUPED_KEYS = 64
 
 
-def fused_for_sequence(spec: AttnSpec, len_q: int, len_k: int, backward: bool = False) -> bool:
-    if not uses_fused_kernel(spec) or len_q <= SMALL_QUERY_ROWS:
+def fused_takes_data(q: Tensor) -> bool:
+    """PyTorch's fused CPU kernel turns a NaN query row into zeros (it drops NaN scores from its
+    row max), where dense SDPA gives NaN; such calls take our own matmuls, which propagate NaN.
+    One pass over q, on the torch-op path only (the compiled kernel propagates NaN itself)."""
+    return not bool(torch.isnan(q).any())
+
+
+def fused_for_sequence(spec: AttnSpec, len_q: int, len_k: int, backward: bool = False,
+                       nan_free: bool = True) -> bool:
+    if not nan_free or not uses_fused_kernel(spec) or len_q <= SMALL_QUERY_ROWS:
         return False
     return backward or len_q * len_k > SMALL_PAIRS
 
@@ -189,6 +197,7 @@ class CpuFusedBackend(BackendImpl):
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
         rng = torch.get_rng_state() if spec.dropout_p and spec.needs_grad else None
+        nan_free = fused_takes_data(q)
         short, tasks, weights, decode_rows = [], [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
@@ -196,7 +205,8 @@ class CpuFusedBackend(BackendImpl):
             if len_k and decode.eligible(spec, seq.len_q):
                 decode_rows.append(seq)
                 continue
-            if len_k and not fused_for_sequence(spec, seq.len_q, len_k) and grouped.eligible(spec, seq.len_q, len_k) \
+            if len_k and not fused_for_sequence(spec, seq.len_q, len_k, nan_free=nan_free) \
+                    and grouped.eligible(spec, seq.len_q, len_k) \
                     and seq.len_q * len_k <= GROUPED_PAIRS and len_k <= GROUPED_KEYS and lse_full is None:
                 short.append(grouped.Member(seq.q_start, seq.len_q, seq.key_rows.start, len_k))
                 continue
@@ -208,7 +218,7 @@ class CpuFusedBackend(BackendImpl):
                 continue
             q_b, slopes = q[rows], call.slopes_of(seq.index)
             k_b, v_b = seq.kv()
-            if fused_for_sequence(spec, seq.len_q, len_k):
+            if fused_for_sequence(spec, seq.len_q, len_k, nan_free=nan_free):
                 tasks.append(functools.partial(
                     fused.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], lse[:, rows],
                     None if lse_full is None else lse_full[:, rows]))
@@ -225,7 +235,7 @@ class CpuFusedBackend(BackendImpl):
                                                None, out[rows], lse[:, rows], spec.return_lse))
             else:
                 tasks.append(functools.partial(grouped.forward_group, spec, q, call.k, call.v, members, out, lse,
-                                               spec.return_lse))
+                                               spec.return_lse, nan_free))
             weights.append(sum(m.len_q * m.len_k for m in members))
         if decode_rows:
             decode.forward_rows(spec, q, [(seq.q_start, *seq.kv(), call.slopes_of(seq.index)) for seq in decode_rows],
@@ -254,6 +264,7 @@ class CpuFusedBackend(BackendImpl):
         dv = torch.zeros_like(call.v)
         dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
         tasks, weights, parts = [], [], []
+        nan_free = fused_takes_data(call.q)
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             if seq.len_k == 0:
@@ -266,7 +277,7 @@ class CpuFusedBackend(BackendImpl):
                 dk_b, dv_b = dk[seq.key_rows], dv[seq.key_rows]
             args = (spec, call.q[rows], k_b, v_b, out[rows], lse[:, rows], grad_out[rows],
                     call.slopes_of(seq.index), dq[rows], dk_b, dv_b)
-            if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True):
+            if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True, nan_free=nan_free):
                 tasks.append(functools.partial(fused.backward_sequence, *args))
             else:
                 tasks.append(functools.partial(blocked.backward_sequence, *args, generator))

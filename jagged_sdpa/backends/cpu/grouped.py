@@ -70,9 +70,10 @@ def _padded_rows(starts: Tensor, lengths: Tensor, width: int) -> tuple[Tensor, T
 
 
 def forward_group(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
-                  lse: Tensor, need_lse: bool) -> None:
-    """Attention of ``members`` (packed q/k/v rows) into ``out``/``lse`` at their packed rows."""
-    if spec.head_dim_v == spec.head_dim and fused_kernel_works():
+                  lse: Tensor, need_lse: bool, fused_allowed: bool = True) -> None:
+    """Attention of ``members`` (packed q/k/v rows) into ``out``/``lse`` at their packed rows;
+    ``fused_allowed=False`` (NaN queries, ``backend.fused_takes_data``) keeps to the bmm form."""
+    if fused_allowed and spec.head_dim_v == spec.head_dim and fused_kernel_works():
         _forward_group_fused(spec, q, k, v, members, out, lse, need_lse)
     else:
         _forward_group_bmm(spec, q, k, v, members, out, lse, need_lse)

@@ -269,8 +269,9 @@ def _attn_fwd(
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
         True)
 
-    # A row that saw no key has l = 0: it writes zeros and lse -inf, never 0/0.
-    seen = l_i > 0.0
+    # A row that saw no key has l = 0: it writes zeros and lse -inf, never 0/0. A NaN score makes
+    # l NaN, which counts as seen: out and lse are NaN, as in dense SDPA.
+    seen = l_i != 0.0
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)

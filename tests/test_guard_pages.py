@@ -18,6 +18,10 @@ import signal
 import pytest
 
 from guarded import run_child
+from jagged_sdpa.backends.cpu import native
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason=f"compiled kernel unavailable: {native.unavailable_reason()}")
 
 _SEGV = (-signal.SIGSEGV, 128 + signal.SIGSEGV)
 

@@ -21,25 +21,7 @@ SEED = 20261124
 CALLS = int(os.environ.get("JAGGED_SDPA_FUZZ_CALLS", "400"))
 
 # One toggle per open bug class (see fuzz.KNOWN for each predicate and its bug).
-KNOWN_OPEN = {
-    "tl_window_past_last_key",         # 1. compiled kernel: top-left window start past the last key
-    "strided_last_dim_torch_engines",  # 2. last-dim stride != 1 through cpu_fused's torch-op engines
-    "bwd_first_block_sees_no_key",     # 3. IndexError in cpu_fused backward
-    "nan_query_row",                   # 4. NaN query row -> 0/-inf instead of NaN
-    "triton_gqa_unwritten_rows",       # 5. triton GQA, max_seqlen_q <= 16: unwritten rows
-    "window_ge_2_63",                  # 6. window entries >= 2**63 accepted and wrapped
-    "math_empty_batch_autograd",       # 7. MATH loses autograd on an empty batch
-    "bf16_torch_backward",             # 8. bf16 torch-op backward off with sharp softmaxes
-    "dropout_one_refused",             # 9. dropout_p=1.0 refused
-    "alibi_grad_none",                 # 9. alibi_slopes.requires_grad: no gradient
-    "window_near_int64_max",           # new: window entries near 2**63 - 1 overflow pos +/- window
-    "bf16_scores_torch_engines",       # new (related to 8): bf16-rounded scores in the torch-op forward
-    "meta_no_backend",                 # 9. meta tensors: NoBackendError (varlen), NotImplementedError (sdpa)
-    "nan_key_not_propagated",          # new (root cause of 4?): NaN in k -> rows 0 / lse -inf
-    "triton_pack_gqa_empty_keys_crash",  # new (path of 5): segfault, pack-GQA with an empty key sequence
-    "nan_row_torch_engines",           # new: grouped torch-op engine outputs 0 for a NaN row (q or k)
-    "triton_nan_row_lse",              # new: triton lse -inf for a NaN row
-}
+KNOWN_OPEN: set[str] = set()  # every class of issue 11 is fixed; add a name while one is open
 
 
 def test_known_toggles_name_known_classes():

@@ -123,7 +123,10 @@ class MathBackend(BackendImpl):
         if not outs:
             # No query row at all: an empty output that is still a function of q, k and v, so that
             # backward runs (and gives zero gradients) as for any other batch.
-            anchor = (call.q.sum() + call.k.sum() + call.v.sum()).to(call.q.dtype)
+            anchor = call.q.sum() + call.k.sum() + call.v.sum()
+            if call.alibi_slopes is not None:
+                anchor = anchor + call.alibi_slopes.sum()
+            anchor = anchor.to(call.q.dtype)
             out = anchor.expand(0, spec.heads_q, spec.head_dim_v)
             lse = torch.empty(spec.heads_q, 0, dtype=torch.float32, device=call.q.device)
         else:

@@ -84,6 +84,18 @@ GROUPED_PAIRS = 64 * 64
 GROUPED_KEYS = 64
 
 
+def native_forward_reason(spec: AttnSpec) -> Optional[str]:
+    """None when the compiled kernel runs the forward, else why not. With a gradient needed the
+    backward must run where the forward ran: it recomputes P = exp(S - lse) from the forward's lse,
+    and S rounded by another engine's float32 matmul no longer matches that lse. With large
+    logits the mismatch, times the scale, is the whole gradient (the fuzzer measured dq 0.56 where
+    float64 gives 0, paged fp32 at scale 198)."""
+    why = native.skip_reason(spec)
+    if why is None and spec.needs_grad and (backward_why := native.backward_skip_reason(spec)) is not None:
+        why = f"its backward cannot run ({backward_why}) and forward and backward must match"
+    return why
+
+
 def fused_takes_data(q: Tensor) -> bool:
     """PyTorch's fused CPU kernel turns a NaN query row into zeros (it drops NaN scores from its
     row max), where dense SDPA gives NaN; such calls take our own matmuls, which propagate NaN.
@@ -167,7 +179,7 @@ class CpuFusedBackend(BackendImpl):
         if not spec.last_dim_contiguous:
             notes.append("cpu_fused: q/k/v with a strided last dim are copied to unit stride first")
             spec = spec.replace(last_dim_contiguous=True)
-        why_not_native = native.skip_reason(spec)
+        why_not_native = native_forward_reason(spec)
         if why_not_native is None:
             return tuple(notes)
         notes.append(f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence")
@@ -190,7 +202,7 @@ class CpuFusedBackend(BackendImpl):
         q = call.q
         out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
-        if native.skip_reason(spec) is None:
+        if native_forward_reason(spec) is None:
             native.forward(call, out, lse)
             return AttnOutput(out, lse if spec.return_lse else None, _State(None, None))
         lse_full = None

@@ -76,9 +76,9 @@ def attention(q, k, v, plan, comm, opts):
         outs.append(o)
         lses.append(l)
     if not outs:
-        # No local rows: still tie the output to the exchange, so this rank's backward joins the
-        # collective the other ranks' backward runs.
-        out = keys.new_zeros(0, q.shape[1], dv) + keys.sum() * 0
+        # No local rows: still tie the output to the exchange (so this rank's backward joins the
+        # collective the other ranks' backward runs) and to q (whose gradient is then empty, not None).
+        out = keys.new_zeros(0, q.shape[1], dv) + (keys.sum() + q.sum()) * 0
         return out, torch.zeros(q.shape[1], 0, dtype=torch.float32, device=q.device)
     if len(outs) == 1:
         return outs[0], lses[0]

@@ -14,10 +14,39 @@ import torch
 from jagged_sdpa.distributed.comm import Comm
 
 
+class _Barrier:
+    """A barrier that a failing rank breaks only for the ranks still waiting in it."""
+
+    def __init__(self, parties: int, timeout: float):
+        self.parties, self.timeout = parties, timeout
+        self.count, self.generation, self.failed = 0, 0, None
+        self.cond = threading.Condition()
+
+    def wait(self):
+        with self.cond:
+            generation = self.generation
+            self.count += 1
+            if self.count == self.parties:
+                self.count, self.generation = 0, self.generation + 1
+                self.cond.notify_all()
+                return
+            self.cond.wait_for(lambda: self.generation != generation or self.failed, self.timeout)
+            if self.generation != generation:
+                return
+            if self.failed:
+                raise RuntimeError(f"local world: another rank failed ({self.failed})")
+            raise TimeoutError(f"local world: a collective waited {self.timeout} s for the other ranks")
+
+    def abort(self, why):
+        with self.cond:
+            self.failed = why
+            self.cond.notify_all()
+
+
 class LocalWorld:
     def __init__(self, world_size: int, timeout: float = 60.0):
         self.world_size = world_size
-        self.barrier = threading.Barrier(world_size, timeout=timeout)
+        self.barrier = _Barrier(world_size, timeout)
         self.slots = [None] * world_size
 
     def comm(self, rank: int) -> "LocalComm":
@@ -63,7 +92,7 @@ def run_local(fn, world_size: int, timeout: float = 60.0) -> list:
             results[rank] = fn(world.comm(rank))
         except BaseException as exc:  # handed back to the caller, rank by rank
             results[rank] = exc
-            world.barrier.abort()
+            world.barrier.abort(f"rank {rank}: {type(exc).__name__}")
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:

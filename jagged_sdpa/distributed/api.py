@@ -60,6 +60,10 @@ def _options(plan, q, softmax_scale, causal, window_size, softcap, alibi_slopes,
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor):
             raise TypeError(f"alibi_slopes: expected a float32 tensor, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes: expected float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes: on {alibi_slopes.device}, q_local on {q.device}")
         hq = q.shape[1]
         if tuple(alibi_slopes.shape) not in ((hq,), (len(plan.lengths), hq)):
             raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({len(plan.lengths)}, {hq}) "

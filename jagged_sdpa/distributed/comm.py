@@ -41,9 +41,11 @@ class GroupComm(Comm):
         return out
 
     def all_gather_header(self, header):
-        out = header.new_empty(self.world_size, header.numel())
-        dist.all_gather_into_tensor(out, header.contiguous(), group=self.group)
-        return out
+        out = header.new_empty(self.world_size * header.numel())
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, header.contiguous(), group=self.group)
+        return out.view(self.world_size, -1)
 
     def all_gather_object(self, obj):
         out = [None] * self.world_size

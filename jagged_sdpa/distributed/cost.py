@@ -70,7 +70,7 @@ def call_work(plan, causal, window) -> list[int]:
 
 def _allgather_bytes(plan, causal, window, row_bytes):
     W = plan.world_size
-    if plan.total <= 1 << 20:
+    if plan.total * plan.world_size <= 1 << 24:
         owner, _ = plan.owners()
         recv = [needed_remote(plan, r, causal, window).size for r in range(W)]
         sent = [0] * W

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from jagged_sdpa.distributed import strategies
+from jagged_sdpa.distributed.routes import fetched_rows
 from jagged_sdpa.distributed.work import WorkTable
 
 
@@ -179,8 +180,9 @@ def plan_shards(cu_seqlens, world_size: int, *, strategy: str = "auto", causal: 
         world_size: number of ranks.
         strategy: ``"contiguous"`` (equal slices of the packed stream), ``"zigzag"`` (each sequence
             in 2W chunks, rank r takes chunks r and 2W-1-r), ``"documents"`` (whole sequences,
-            heaviest first onto the least-loaded rank) or ``"auto"`` (whole sequences where
-            balance allows, zigzag for the heavy ones: max/mean work <= 1.05 where reachable).
+            heaviest first onto the least-loaded rank) or ``"auto"`` (max/mean work <= 1.05 and
+            tokens <= 1.25 where reachable, with the fewest keys fetched by the busiest rank: whole
+            sequences where balance allows, zigzag bundles of heavy ones).
         causal, window_size: the mask whose attention work the plan balances. They only weigh
             work; a call with other options is still exact.
 
@@ -198,7 +200,9 @@ def plan_shards(cu_seqlens, world_size: int, *, strategy: str = "auto", causal: 
     window = _validate_window(window_size)
     world_size = int(world_size)
     table = WorkTable(lengths, causal, window)
-    pieces = strategies.place(strategy, lengths, world_size, table)
+    def fetched(pieces):   # keys the busiest rank would fetch for the plan's mask
+        return max(fetched_rows(lengths, ps, causal, window) for ps in pieces)
+    pieces = strategies.place(strategy, lengths, world_size, table, fetched)
     runs = tuple(_normalise(p) for p in pieces)
     work = tuple(sum(table.piece(*run) for run in rs) for rs in runs)
     digest_src = repr((tuple(lengths), world_size, runs)).encode()

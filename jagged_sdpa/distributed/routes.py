@@ -58,12 +58,17 @@ def needed_remote(plan, rank, causal, window) -> np.ndarray:
 
 def remote_rows(plan, rank, causal, window) -> int:
     """How many rows ``rank`` fetches, by interval arithmetic (no per-row arrays: for big models)."""
-    doc, _, _, ks, ke = key_ranges(plan, rank, causal, window)
-    per_doc = {}
-    for d, a, b in zip(doc.tolist(), ks.tolist(), ke.tolist()):
-        per_doc.setdefault(d, []).append((a, b))
-    owned = {}
-    for d, s, e in plan.runs[rank]:
+    return fetched_rows(plan.lengths, plan.runs[rank], causal, window)
+
+
+def fetched_rows(lengths, runs, causal, window) -> int:
+    """Rows that the runs ``(doc, s, e)`` of one rank read and do not own (they may be unsorted)."""
+    left, right = window
+    per_doc, owned = {}, {}
+    for d, s, e in runs:
+        ks = 0 if left < 0 else max(0, s - left)
+        ke = e if causal else (lengths[d] if right < 0 else min(lengths[d], e + right))
+        per_doc.setdefault(d, []).append((ks, ke))
         owned.setdefault(d, []).append((s, e))
     total = 0
     for d, spans in per_doc.items():

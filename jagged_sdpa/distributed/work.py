@@ -34,6 +34,9 @@ class WorkTable:
         p = self._prefix[doc]
         return int(p[end] - p[start])
 
+    def prefix(self, doc: int) -> np.ndarray:
+        return self._prefix[doc]
+
     def doc(self, doc: int) -> int:
         return int(self._prefix[doc][-1])
 

@@ -121,7 +121,7 @@ def worker(rank, world_size, store, lengths, rounds, queue):
                     samples.append(elapsed)
             sent = comm.__class__.sent
             e = jd.explain(plan, a, b, c, comm, algorithm=algorithm, causal=True)
-            rows.append((strategy, algorithm, dict(seconds=statistics.median(samples), sent=sent,
+            rows.append((strategy, algorithm, dict(seconds=statistics.median(samples), best=min(samples), sent=sent,
                                                    chosen=e.chosen, work=plan.work, tokens=plan.tokens,
                                                    imbalance=plan.imbalance)))
     probe = _probe_collectives(rank, world_size)
@@ -181,7 +181,9 @@ def part1(world_sizes, lengths, rounds):
           f"Hkv={SHAPE['hkv']} D=Dv={SHAPE['d']} fp32, causal, forward+backward, 1 thread per process")
     print(f"single process: {single * 1e3:.1f} ms, kernel rate F = {rate / 1e9:.1f} GFLOP/s (forward-equivalent "
           f"FLOPs x 3.5 / time)\n")
-    print("| W | strategy | algorithm | ran | ms (slowest rank) | model ms | MB sent (sum of ranks) | "
+    print("ms: slowest rank, median (best) of the rounds. model: the cost model with this machine's F, alpha "
+          "and beta; 'shared' also divides the compute rate by W/2 when W processes share the 2 cores.\n")
+    print("| W | strategy | algorithm | ran | ms median (best) | model ms / shared | MB sent (sum of ranks) | "
           "max/mean work | max/mean tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     probes = {}
@@ -195,13 +197,16 @@ def part1(world_sizes, lengths, rounds):
                 print(f"| {W} | {strategy} | {algorithm} | refused: Hq % W != 0 | | | | | |")
                 continue
             seconds = max(rows[i][2]["seconds"] for rows, _ in gathered)
+            best = max(rows[i][2]["best"] for rows, _ in gathered)
             sent = sum(rows[i][2]["sent"] for rows, _ in gathered)
             plan = plan_shards(lengths, W, strategy=strategy, causal=True)
             est = cost.estimate(plan, info["chosen"], SHAPE["hq"], SHAPE["hkv"], SHAPE["d"], SHAPE["d"], 4,
                                 causal=True, window=(-1, -1), grad=True, machine=machine)
             tok = max(info["tokens"]) / (sum(info["tokens"]) / W)
-            print(f"| {W} | {strategy} | {algorithm} | {info['chosen']} | {seconds * 1e3:.1f} | "
-                  f"{est.seconds * 1e3:.1f} | {sent / 2**20:.2f} | {info['imbalance']:.3f} | {tok:.3f} |")
+            shared = est.t_compute * max(1.0, W / (os.cpu_count() or 1)) + est.t_comm
+            print(f"| {W} | {strategy} | {algorithm} | {info['chosen']} | {seconds * 1e3:.1f} ({best * 1e3:.1f}) | "
+                  f"{est.seconds * 1e3:.1f} / {shared * 1e3:.1f} | {sent / 2**20:.2f} | {info['imbalance']:.3f} | "
+                  f"{tok:.3f} |")
     print("\ngloo all_to_all_single on this machine (median; W > 2 shares 2 cores):")
     for W, p in probes.items():
         if W > 1:
@@ -284,11 +289,15 @@ def main():
     parser.add_argument("--model-only", action="store_true")
     args = parser.parse_args()
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     print(f"# bench_distributed: commit {commit}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"{time.strftime('%Y-%m-%d')}\n")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at start {' '.join(load)}\n")
     if not args.model_only:
         total = 2048 if args.quick else 8192
-        part1([int(w) for w in args.world_sizes.split(",")], scaled(W1_LENGTHS, total), 2 if args.quick else 3)
+        part1([int(w) for w in args.world_sizes.split(",")], scaled(W1_LENGTHS, total), 2 if args.quick else 5)
+        with open("/proc/loadavg") as f:
+            print(f"\nload average after the measured part: {' '.join(f.read().split()[:3])}")
     part2([8, 16, 32, 64, 128, 256, 512, 1024], 16384, 1 << 20)
 
 

@@ -58,6 +58,6 @@ def agree(comm, fields: dict, error=None, device="cpu") -> None:
     for col, name in enumerate(fields, start=1):
         values = [row[col] for row in table]
         if len(set(values)) > 1:
-            raise ValueError(f"{name}: differs across ranks (rank {values.index(values[0])} vs rank "
-                             f"{next(r for r, v in enumerate(values) if v != values[0])}); every rank "
-                             "must pass the same plan, options and tensor kinds")
+            other = next(r for r, v in enumerate(values) if v != values[0])
+            raise ValueError(f"{name}: differs between rank 0 and rank {other}; every rank must pass the "
+                             "same plan, options and tensor kinds (dtype, heads, head dims, requires_grad)")

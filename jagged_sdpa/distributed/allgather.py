@@ -26,7 +26,7 @@ def refusal(plan, world_size, hq, hkv, opts):
 
 
 def _calls(q, kv_keys, plan, rank, hkv, d, dv, opts):
-    """Yield (rows, args, kwargs) of each per-rank call."""
+    """Yield (group, positional args after q, kwargs) of each of this rank's kernel calls."""
     r = route(plan, rank, opts["causal"], opts["window_size"])
     device = q.device
     alibi = opts["alibi_slopes"]

@@ -191,7 +191,8 @@ def part1(world_sizes, lengths, rounds):
         gathered = measure_world(W, lengths, rounds)
         probe = gathered[0][1]
         probes[W] = probe
-        machine = cost.Machine("measured", flops=rate, latency=probe["latency"], bandwidth=probe["bandwidth"])
+        machine = cost.Machine("measured", flops=rate, latency=probe["latency"], bandwidth=probe["bandwidth"],
+                               copy_bandwidth=cost.MACHINES["cpu"].copy_bandwidth)
         for i, (strategy, algorithm, info) in enumerate(gathered[0][0]):
             if info is None:
                 print(f"| {W} | {strategy} | {algorithm} | refused: Hq % W != 0 | | | | | |")
@@ -203,7 +204,7 @@ def part1(world_sizes, lengths, rounds):
             est = cost.estimate(plan, info["chosen"], SHAPE["hq"], SHAPE["hkv"], SHAPE["d"], SHAPE["d"], 4,
                                 causal=True, window=(-1, -1), grad=True, machine=machine)
             tok = max(info["tokens"]) / (sum(info["tokens"]) / W)
-            shared = est.t_compute * max(1.0, W / (os.cpu_count() or 1)) + est.t_comm
+            shared = est.seconds + est.t_compute * (max(1.0, W / (os.cpu_count() or 1)) - 1)
             print(f"| {W} | {strategy} | {algorithm} | {info['chosen']} | {seconds * 1e3:.1f} ({best * 1e3:.1f}) | "
                   f"{est.seconds * 1e3:.1f} / {shared * 1e3:.1f} | {sent / 2**20:.2f} | {info['imbalance']:.3f} | "
                   f"{tok:.3f} |")
@@ -223,6 +224,7 @@ GPU_LAYER = dict(hq=32, hkv=8, d=128, itemsize=2)
 NVLINK = dict(latency=1e-5, bandwidth=3.0e11)       # H100 NVLink 4: ~450 GB/s per direction peak, 2/3 of it
 INFINIBAND = dict(latency=2e-5, bandwidth=5.0e10)   # NDR 400 Gb/s per GPU
 GPU_FLOPS = 4.0e14                                  # bf16 flash attention, ~40% of H100 dense peak
+GPU_COPY = 2.0e12                                   # local gathers/scatters: ~60% of HBM3 bandwidth
 
 
 def part2(world_sizes, tokens_per_gpu, fixed_tokens):
@@ -238,7 +240,7 @@ def part2(world_sizes, tokens_per_gpu, fixed_tokens):
     for title, total_of in ((f"weak scaling, {tokens_per_gpu // 1024}K tokens per GPU", lambda W: tokens_per_gpu * W),
                             (f"strong scaling, {fixed_tokens // 2**20}M tokens", lambda W: fixed_tokens)):
         print(f"\n### {title}; log-normal documents (median {MEDIAN} tokens, sigma 0.8, W1's shape)\n")
-        print("| W | tokens | docs | max/mean work | allgather ms (comp + comm) | ulysses ms (comp + comm) | "
+        print("| W | tokens | docs | max/mean work | allgather ms (comp + comm + local) | ulysses ms (comp + comm + local) | "
               "auto picks | allgather GB moved | ulysses GB moved |")
         print("|---|---|---|---|---|---|---|---|---|")
         for W in world_sizes:
@@ -246,7 +248,7 @@ def part2(world_sizes, tokens_per_gpu, fixed_tokens):
             lengths = doc_lengths(total)
             plan = plan_shards(lengths, W, causal=True)
             link = NVLINK if W <= 8 else INFINIBAND
-            machine = cost.Machine("model", flops=GPU_FLOPS, **link)
+            machine = cost.Machine("model", flops=GPU_FLOPS, copy_bandwidth=GPU_COPY, **link)
             cells, moved, best = [], [], None
             for algorithm in ("allgather", "ulysses"):
                 if algorithm == "ulysses" and GPU_LAYER["hq"] % W:
@@ -255,7 +257,8 @@ def part2(world_sizes, tokens_per_gpu, fixed_tokens):
                     continue
                 e = cost.estimate(plan, algorithm, GPU_LAYER["hq"], GPU_LAYER["hkv"], GPU_LAYER["d"], GPU_LAYER["d"],
                                   GPU_LAYER["itemsize"], causal=True, window=(-1, -1), grad=True, machine=machine)
-                cells.append(f"{e.seconds * 1e3:.1f} ({e.t_compute * 1e3:.1f} + {e.t_comm * 1e3:.1f})")
+                cells.append(f"{e.seconds * 1e3:.1f} ({e.t_compute * 1e3:.1f} + {e.t_comm * 1e3:.1f} + "
+                             f"{e.t_local * 1e3:.1f})")
                 moved.append(f"{e.total_bytes / 1e9:.1f}")
                 if best is None or e.seconds < best[1]:
                     best = (algorithm, e.seconds)

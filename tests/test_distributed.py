@@ -71,3 +71,33 @@ def test_matches_single_process(world_size, case):
         check(plan, rank, case, got, single, ref, bitwise=bitwise(case, world_size, chosen))
     if case.name == "alibi-bidir-auto-picks-ulysses" or case.name == "heads-not-divisible-auto":
         assert chosen == ("ulysses" if "ulysses" in case.name else "allgather")
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "ulysses"])
+def test_views_of_a_fused_qkv_and_no_lse(algorithm):
+    """Local q, k, v sliced out of one fused projection (strided views) work, and return_lse=False
+    returns the same out as return_lse=True."""
+    case = Case("fused", RAGGED, hq=4, hkv=2, causal=True, window_size=(9, 0), strategy="zigzag", algorithm=algorithm)
+    t = tensors(case)
+    single = single_process(case, t)
+    plan = jd.plan_shards(t["cu"], 2, strategy="zigzag", causal=True)
+
+    def body(comm):
+        q, k, v = (plan.shard(t[n], comm.rank) for n in "qkv")
+        fused = torch.cat([q, k, v], dim=1).requires_grad_()          # (n, Hq + 2 Hkv, D)
+        ql, kl, vl = fused[:, :4], fused[:, 4:6], fused[:, 6:]
+        out = jd.varlen_attention(ql, kl, vl, plan, comm, algorithm=algorithm, causal=True, window_size=(9, 0))
+        out.backward(plan.shard(t["grad_out"], comm.rank))
+        with_lse, _ = jd.varlen_attention(ql, kl, vl, plan, comm, algorithm=algorithm, causal=True,
+                                          window_size=(9, 0), return_lse=True)
+        return out.detach(), with_lse.detach(), fused.grad
+
+    for rank, result in enumerate(run_local(body, 2)):
+        if isinstance(result, BaseException):
+            raise result
+        out, with_lse, grad = result
+        rows = torch.as_tensor(plan.rows(rank))
+        assert torch.equal(out, with_lse)
+        torch.testing.assert_close(out, single["out"][rows], atol=1e-5, rtol=1e-5)
+        expected = torch.cat([single["dq"][rows], single["dk"][rows], single["dv"][rows]], dim=1)
+        torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from jagged_sdpa.distributed import allgather, cost, ulysses
 from jagged_sdpa.distributed.agree import agree, digest
-from jagged_sdpa.distributed.comm import Comm, GroupComm, resolve
+from jagged_sdpa.distributed.comm import Comm, header_device, resolve
 from jagged_sdpa.distributed.plan import ShardPlan, _validate_window
 from jagged_sdpa.errors import NoBackendError
 
@@ -183,17 +183,10 @@ def varlen_attention(q_local, k_local, v_local, plan, group=None, *, algorithm="
     except (ValueError, TypeError, NoBackendError) as exc:
         error = exc
     fields = fields or {name: 0 for name in ("plan", "q_local", "k_local", "v_local", "options", "algorithm")}
-    agree(comm, fields, error, device=_header_device(comm, q_local))
+    agree(comm, fields, error, device=header_device(comm, q_local))
     impl = _IMPLS[choice.chosen]
     out, lse = impl.attention(q_local, k_local, v_local, plan, comm, choice.header)
     return (out, lse) if return_lse else out
-
-
-def _header_device(comm, x):
-    """gloo and in-process ranks exchange the header on the CPU; NCCL needs it on the device."""
-    if not isinstance(comm, GroupComm) or not isinstance(x, torch.Tensor) or x.device.type == "cpu":
-        return "cpu"
-    return "cpu" if dist.get_backend(comm.group) == "gloo" else x.device
 
 
 @dataclass
@@ -235,11 +228,12 @@ class DistExplanation:
             lines.append(f"  {r:>4} {p.tokens[r]:>8} {len(p.runs[r]):>5} {work[r]:>18}")
         lines.append(f"  max/mean pairs {max(work) / mean if mean else 1.0:.3f} "
                      f"(ulysses: 1.000, it splits heads, not tokens)")
-        lines.append("  algorithm  eligible  compute ms   comm ms  total ms  MB moved (fwd+bwd, all ranks)  why not")
+        lines.append("  algorithm  eligible  compute ms   comm ms  local ms  total ms  MB moved (fwd+bwd, all ranks)"
+                     "  why not")
         for a in _IMPLS:
             e = c.estimates.get(a)
-            nums = (f"{e.t_compute * 1e3:>10.3f} {e.t_comm * 1e3:>9.3f} {e.seconds * 1e3:>9.3f} "
-                    f"{e.total_bytes / 2**20:>30.3f}") if e else f"{'-':>10} {'-':>9} {'-':>9} {'-':>30}"
+            nums = (f"{e.t_compute * 1e3:>10.3f} {e.t_comm * 1e3:>9.3f} {e.t_local * 1e3:>9.3f} {e.seconds * 1e3:>9.3f} "
+                    f"{e.total_bytes / 2**20:>30.3f}") if e else f"{'-':>10} {'-':>9} {'-':>9} {'-':>9} {'-':>30}"
             lines.append(f"  {a:<10} {'yes' if c.reasons[a] is None else 'no':<9} {nums}  {c.reasons[a] or ''}")
         backend = ""
         if c.chosen and c.backends.get(c.chosen):

@@ -64,3 +64,11 @@ def resolve(group, argument: str = "group") -> Comm:
         raise TypeError(f"{argument}: expected a torch.distributed ProcessGroup or None, "
                         f"got {type(group).__name__}")
     return GroupComm(group)
+
+
+def header_device(comm: Comm, x) -> torch.device | str:
+    """Where the agreement header travels: the CPU for gloo and in-process ranks, the data's device
+    for device-only backends (NCCL)."""
+    if not isinstance(comm, GroupComm) or not isinstance(x, torch.Tensor) or x.device.type == "cpu":
+        return "cpu"
+    return "cpu" if dist.get_backend(comm.group) == "gloo" else x.device

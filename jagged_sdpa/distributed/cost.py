@@ -25,11 +25,13 @@ class Machine:
     latency: float        # seconds per collective step
     bandwidth: float      # bytes/s per rank and direction
     overlap: float = 0.0  # fraction of communication hidden behind compute
+    copy_bandwidth: float = 2.0e12  # bytes/s of local gathers, scatters and packing
 
 
 MACHINES = {
     # measured on the 2-core CPU machine, gloo over loopback (benchmarks/bench_distributed.py)
-    "cpu": Machine("CPU + gloo (2-core dev machine)", flops=2.0e10, latency=2.5e-4, bandwidth=1.0e9),
+    "cpu": Machine("CPU + gloo (2-core dev machine)", flops=4.4e10, latency=1.0e-4, bandwidth=5.0e8,
+                   copy_bandwidth=3.0e9),
     # assumptions: H100 SXM, bf16 flash attention at ~50% of peak, NVLink 4 / NDR InfiniBand
     "nvlink": Machine("H100 + NVLink (assumed)", flops=4.0e14, latency=1.0e-5, bandwidth=3.0e11),
     "infiniband": Machine("H100 + InfiniBand NDR (assumed)", flops=4.0e14, latency=2.0e-5, bandwidth=5.0e10),
@@ -49,10 +51,11 @@ class Estimate:
     collectives: int      # data collectives, forward + backward
     t_compute: float
     t_comm: float
+    t_local: float = 0.0  # packing, gathering and scattering rows on the rank
 
     @property
     def seconds(self) -> float:
-        return self.t_compute + self.t_comm
+        return self.t_compute + self.t_comm + self.t_local
 
     @property
     def total_bytes(self) -> int:
@@ -90,8 +93,12 @@ def estimate(plan, algorithm, hq, hkv, d, dv, itemsize, *, causal, window, grad,
     flops_per_pair = 2.0 * (d + dv)
     steps = max(W - 1, 0)
     acc = 8 if itemsize == 8 else 4
+    passes = 3.0 if grad else 1.0      # local copies: the backward moves twice what the forward does
     if algorithm == "allgather":
         pairs = tuple(w * hq for w in work)
+        # kv packed, keys gathered per run (about 3 copies of the gathered rows per pass)
+        keys = max(_run_keys(plan, r, causal, window) for r in range(W))
+        local = 3 * keys * hkv * (d + dv) * itemsize * passes
         fwd = tuple(_allgather_bytes(plan, causal, window, hkv * (d + dv) * itemsize))
         bwd = tuple(b // itemsize * acc for b in fwd) if grad else (0,) * W
         n_coll = 1 + (1 if grad else 0)
@@ -113,9 +120,22 @@ def estimate(plan, algorithm, hq, hkv, d, dv, itemsize, *, causal, window, grad,
             bwd.append(data * itemsize if grad else 0)
         fwd, bwd = tuple(fwd), tuple(bwd)
         n_coll = 2 + (1 if return_lse else 0) + (2 if grad else 0)
+        # pack, unpack, reorder to global order and back: about 3 copies of the head shard per pass
+        local = 3 * N * (per * (d + dv) + max(len(h) for h in heads) * (d + dv)) * itemsize * passes
     if W == 1:
         fwd, bwd, n_coll = (0,), (0,), 0
     t_compute = max(pairs) * flops_per_pair * (3.5 if grad else 1.0) / machine.flops
     t_comm = (n_coll * steps * machine.latency
               + max(f + b for f, b in zip(fwd, bwd)) / machine.bandwidth) * (1.0 - machine.overlap)
-    return Estimate(algorithm, pairs, fwd, bwd, n_coll, t_compute, t_comm)
+    return Estimate(algorithm, pairs, fwd, bwd, n_coll, t_compute, t_comm, local / machine.copy_bandwidth)
+
+
+def _run_keys(plan, rank, causal, window) -> int:
+    """Key rows the runs of ``rank`` read (with repeats across runs)."""
+    left, right = window
+    total = 0
+    for d, s, e in plan.runs[rank]:
+        ks = 0 if left < 0 else max(0, s - left)
+        ke = e if causal else (plan.lengths[d] if right < 0 else min(plan.lengths[d], e + right))
+        total += ke - ks
+    return total

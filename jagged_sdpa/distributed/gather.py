@@ -6,10 +6,13 @@ all-to-all: each rank gets back the gradient of its rows from every rank, summed
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from jagged_sdpa.distributed.agree import agree, digest
-from jagged_sdpa.distributed.comm import resolve
+from jagged_sdpa.distributed.comm import header_device, resolve
 from jagged_sdpa.distributed.exchange import all_to_all
 
 
@@ -27,12 +30,11 @@ def unshard(plan, x_local, group=None) -> torch.Tensor:
         fields["x_local"] = digest((str(x_local.dtype), tuple(x_local.shape[1:]), x_local.requires_grad))
     except (ValueError, TypeError) as exc:
         error = exc
-    agree(comm, fields, error, device="cpu" if x_local.device.type == "cpu" or not hasattr(comm, "group")
-          else x_local.device)
-    W, width = comm.world_size, x_local[0].numel() if x_local.shape[0] else int(torch.tensor(x_local.shape[1:]).prod())
+    agree(comm, fields, error, device=header_device(comm, x_local))
+    W, width = comm.world_size, math.prod(x_local.shape[1:])
     flat = x_local.reshape(-1)
     received = all_to_all(flat.repeat(W), comm, [flat.numel()] * W, [t * width for t in plan.tokens])
     in_plan_order = received.view(plan.total, *x_local.shape[1:])
-    inverse = plan.device_tensor("plan_inverse", lambda: __import__("numpy").argsort(
-        __import__("numpy").concatenate([plan.rows(r) for r in range(W)])), x_local.device)
+    inverse = plan.device_tensor("plan_inverse", lambda: np.argsort(
+        np.concatenate([plan.rows(r) for r in range(W)])), x_local.device)
     return in_plan_order.index_select(0, inverse)

@@ -81,7 +81,7 @@ def _probe_collectives(rank, world_size):
         out[name] = statistics.median(samples[2:])
     bytes_out = 4 * (1 << 19) * (world_size - 1)
     return dict(latency=out["latency"] / max(world_size - 1, 1),
-                bandwidth=bytes_out / max(out["bandwidth"] - out["latency"], 1e-9) if world_size > 1 else float("inf"))
+                bandwidth=bytes_out / out["bandwidth"] if world_size > 1 else float("inf"))
 
 
 def worker(rank, world_size, store, lengths, rounds, queue):
@@ -236,7 +236,8 @@ def part2(world_sizes, tokens_per_gpu, fixed_tokens):
           f"forward+backward (backward = 2.5x forward FLOPs); F = {GPU_FLOPS / 1e12:.0f} TFLOP/s per GPU; "
           f"W <= 8: NVLink alpha {NVLINK['latency'] * 1e6:.0f} us, beta {NVLINK['bandwidth'] / 1e9:.0f} GB/s; "
           f"W > 8: InfiniBand alpha {INFINIBAND['latency'] * 1e6:.0f} us, beta {INFINIBAND['bandwidth'] / 1e9:.0f} "
-          "GB/s per GPU; no overlap of communication and compute; plan strategy auto.")
+          f"GB/s per GPU; local copies at {GPU_COPY / 1e12:.0f} TB/s; no overlap of communication and compute; "
+          "plan strategy auto.")
     for title, total_of in ((f"weak scaling, {tokens_per_gpu // 1024}K tokens per GPU", lambda W: tokens_per_gpu * W),
                             (f"strong scaling, {fixed_tokens // 2**20}M tokens", lambda W: fixed_tokens)):
         print(f"\n### {title}; log-normal documents (median {MEDIAN} tokens, sigma 0.8, W1's shape)\n")

@@ -216,6 +216,26 @@ def part1(world_sizes, lengths, rounds):
     return rate, probes
 
 
+def plans_table():
+    """max/mean work / max/mean tokens / largest fetched share, per strategy (causal W1 batches)."""
+    from jagged_sdpa.distributed.plan import plan_shards
+    from jagged_sdpa.distributed.routes import remote_rows
+
+    print("## Plans: causal W1 lengths scaled to 16K-128K tokens\n")
+    print("| tokens | W | auto work / tokens / fetched | zigzag | documents | contiguous |")
+    print("|---|---|---|---|---|---|")
+    for total in (16384, 65536, 131072):
+        lengths = scaled(W1_LENGTHS, total)
+        for W in range(2, 9):
+            cells = []
+            for strategy in ("auto", "zigzag", "documents", "contiguous"):
+                p = plan_shards(lengths, W, strategy=strategy, causal=True)
+                fetched = max(remote_rows(p, r, True, (-1, -1)) for r in range(W)) / total
+                cells.append(f"{p.imbalance:.3f} / {p.token_imbalance:.2f} / {fetched:.2f}")
+            print(f"| {total // 1024}K | {W} | " + " | ".join(cells) + " |")
+    print()
+
+
 # ------------------------------------------------------------------------------------------------
 # part 2: the model at scale
 
@@ -297,6 +317,7 @@ def main():
         load = f.read().split()[:3]
     print(f"# bench_distributed: commit {commit}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at start {' '.join(load)}\n")
+    plans_table()
     if not args.model_only:
         total = 2048 if args.quick else 8192
         part1([int(w) for w in args.world_sizes.split(",")], scaled(W1_LENGTHS, total), 2 if args.quick else 5)

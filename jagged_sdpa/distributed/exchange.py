@@ -4,8 +4,8 @@
 ``gather_keys``: rows of a row-sharded tensor that other ranks' queries read, fetched with one
 all-to-all of only the rows each rank needs; its backward sends the gradient of every fetched
 row home and sums it there in float32 (like a float32 reduce-scatter), cast once at the end.
-torch.distributed.nn.functional's collectives are not used: their all_gather has no uneven
-sizes and they do not run on gloo for every op we need.
+torch.distributed.nn.functional is not used: its all_gather takes no uneven sizes, and the
+gather's backward here must sum in float32 before the cast, which its all_to_all would not do.
 """
 
 from __future__ import annotations

@@ -96,11 +96,13 @@ def native_forward_reason(spec: AttnSpec) -> Optional[str]:
     return why
 
 
-def fused_takes_data(q: Tensor) -> bool:
-    """PyTorch's fused CPU kernel turns a NaN query row into zeros (it drops NaN scores from its
-    row max), where dense SDPA gives NaN; such calls take our own matmuls, which propagate NaN.
-    One pass over q, on the torch-op path only (the compiled kernel propagates NaN itself)."""
-    return not bool(torch.isnan(q).any())
+def nan_free(q: Tensor, k: Tensor) -> bool:
+    """Whether the scores can hold no NaN. PyTorch's fused CPU kernel turns a NaN query row into
+    zeros (it drops NaN scores from its row max) where dense SDPA gives NaN, and its bf16 bmm
+    spills a NaN row into the next (``blocked.matmul_dtype``): calls with NaN in q or k take our
+    own matmuls in float32 products. One pass over q and k, on the torch-op path only (the
+    compiled kernel propagates NaN itself)."""
+    return not (bool(torch.isnan(q).any()) or bool(torch.isnan(k).any()))
 
 
 def fused_for_sequence(spec: AttnSpec, len_q: int, len_k: int, backward: bool = False,
@@ -209,7 +211,7 @@ class CpuFusedBackend(BackendImpl):
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
         rng = torch.get_rng_state() if spec.dropout_p and spec.needs_grad else None
-        nan_free = fused_takes_data(q)
+        clean = nan_free(q, call.k)
         short, tasks, weights, decode_rows = [], [], [], []
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
@@ -217,7 +219,7 @@ class CpuFusedBackend(BackendImpl):
             if len_k and decode.eligible(spec, seq.len_q):
                 decode_rows.append(seq)
                 continue
-            if len_k and not fused_for_sequence(spec, seq.len_q, len_k, nan_free=nan_free) \
+            if len_k and not fused_for_sequence(spec, seq.len_q, len_k, nan_free=clean) \
                     and grouped.eligible(spec, seq.len_q, len_k) \
                     and seq.len_q * len_k <= GROUPED_PAIRS and len_k <= GROUPED_KEYS and lse_full is None:
                 short.append(grouped.Member(seq.q_start, seq.len_q, seq.key_rows.start, len_k))
@@ -230,24 +232,25 @@ class CpuFusedBackend(BackendImpl):
                 continue
             q_b, slopes = q[rows], call.slopes_of(seq.index)
             k_b, v_b = seq.kv()
-            if fused_for_sequence(spec, seq.len_q, len_k, nan_free=nan_free):
+            if fused_for_sequence(spec, seq.len_q, len_k, nan_free=clean):
                 tasks.append(functools.partial(
                     fused.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], lse[:, rows],
                     None if lse_full is None else lse_full[:, rows]))
             else:
                 target = lse[:, rows] if lse_full is None else lse_full[:, rows]
                 tasks.append(functools.partial(
-                    blocked.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], target, spec.return_lse))
+                    blocked.forward_sequence, spec, q_b, k_b, v_b, slopes, out[rows], target, spec.return_lse,
+                    clean))
             weights.append(seq.len_q * len_k)
         for members in grouped.groups(short, spec.heads_q) if short else ():
             if len(members) == 1:
                 m = members[0]
                 rows, keys = slice(m.q_start, m.q_start + m.len_q), slice(m.k_start, m.k_start + m.len_k)
                 tasks.append(functools.partial(blocked.forward_sequence, spec, q[rows], call.k[keys], call.v[keys],
-                                               None, out[rows], lse[:, rows], spec.return_lse))
+                                               None, out[rows], lse[:, rows], spec.return_lse, clean))
             else:
                 tasks.append(functools.partial(grouped.forward_group, spec, q, call.k, call.v, members, out, lse,
-                                               spec.return_lse, nan_free))
+                                               spec.return_lse, clean))
             weights.append(sum(m.len_q * m.len_k for m in members))
         if decode_rows:
             decode.forward_rows(spec, q, [(seq.q_start, *seq.kv(), call.slopes_of(seq.index)) for seq in decode_rows],
@@ -276,7 +279,7 @@ class CpuFusedBackend(BackendImpl):
         dv = torch.zeros_like(call.v)
         dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
         tasks, weights, parts = [], [], []
-        nan_free = fused_takes_data(call.q)
+        clean = nan_free(call.q, call.k)
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             if seq.len_k == 0:
@@ -289,10 +292,10 @@ class CpuFusedBackend(BackendImpl):
                 dk_b, dv_b = dk[seq.key_rows], dv[seq.key_rows]
             args = (spec, call.q[rows], k_b, v_b, out[rows], lse[:, rows], grad_out[rows],
                     call.slopes_of(seq.index), dq[rows], dk_b, dv_b)
-            if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True, nan_free=nan_free):
+            if fused_for_sequence(spec, seq.len_q, seq.len_k, backward=True, nan_free=clean):
                 tasks.append(functools.partial(fused.backward_sequence, *args))
             else:
-                tasks.append(functools.partial(blocked.backward_sequence, *args, generator))
+                tasks.append(functools.partial(blocked.backward_sequence, *args, generator, clean))
             weights.append(seq.len_q * seq.len_k)
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         # Accumulated here, in order: sequences may share cache blocks (prefix caching).

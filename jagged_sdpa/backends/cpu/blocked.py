@@ -34,9 +34,13 @@ BLOCK_ELEMENTS = 1 << 20
 MIN_ROWS = 16
 
 
-def matmul_dtype(spec: AttnSpec) -> torch.dtype:
-    """Operand dtype of the products that are only summed (P V, P^T dO, dS K, dS^T Q)."""
-    return torch.float32 if spec.dtype == torch.float16 else spec.dtype
+def matmul_dtype(spec: AttnSpec, nan_free: bool = True) -> torch.dtype:
+    """Operand dtype of the products that are only summed (P V, P^T dO, dS K, dS^T Q).
+
+    Not bf16 when the inputs hold NaN: PyTorch's CPU bf16 bmm (oneDNN) lets a row of NaN in its
+    first operand spill into the neighbouring row (measured: rows 6 and 7 of a (44, 17) operand),
+    which would put NaN in a query row that never sees the NaN."""
+    return torch.float32 if spec.dtype == torch.float16 or not nan_free else spec.dtype
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -110,10 +114,10 @@ def _dropout_keep(shape, p: float, generator: Optional[torch.Generator], device)
 
 
 def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, out: Tensor, lse: Tensor,
-                     need_lse: bool) -> None:
+                     need_lse: bool, nan_free: bool = True) -> None:
     """One sequence: q (Lq, Hq, D), k/v (Lk, Hkv, D/Dv); writes out (Lq, Hq, Dv), lse (Hq, Lq)."""
     len_q, len_k = q.shape[0], k.shape[0]
-    mm, acc = matmul_dtype(spec), stats_dtype(spec.dtype)
+    mm, acc = matmul_dtype(spec, nan_free), stats_dtype(spec.dtype)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv = spec.heads_kv
     blocks = list(_seq_blocks(spec, len_q, len_k))
@@ -144,7 +148,7 @@ def forward_sequence(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes, ou
 
 
 def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, dk, dv,
-                      generator: Optional[torch.Generator]) -> None:
+                      generator: Optional[torch.Generator], nan_free: bool = True) -> None:
     """Gradients of one sequence; writes dq (Lq, Hq, D) and dk/dv (Lk, Hkv, D/Dv) (overwritten).
 
     Recomputes each block's probabilities from the forward's lse: P = exp(S - lse). A block holds
@@ -152,7 +156,7 @@ def backward_sequence(spec: AttnSpec, q, k, v, out, lse, grad_out, slopes, dq, d
     used here, where rowsum(dO * out) (``out`` is not read) carries the output's bf16 rounding.
     """
     len_q, len_k = q.shape[0], k.shape[0]
-    mm, acc = matmul_dtype(spec), stats_dtype(spec.dtype)
+    mm, acc = matmul_dtype(spec, nan_free), stats_dtype(spec.dtype)
     shift = plan.shift_of(spec, len_q, len_k)
     hkv, hq = spec.heads_kv, spec.heads_q
     blocks = list(_seq_blocks(spec, len_q, len_k))

@@ -70,13 +70,13 @@ def _padded_rows(starts: Tensor, lengths: Tensor, width: int) -> tuple[Tensor, T
 
 
 def forward_group(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
-                  lse: Tensor, need_lse: bool, fused_allowed: bool = True) -> None:
+                  lse: Tensor, need_lse: bool, nan_free: bool = True) -> None:
     """Attention of ``members`` (packed q/k/v rows) into ``out``/``lse`` at their packed rows;
-    ``fused_allowed=False`` (NaN queries, ``backend.fused_takes_data``) keeps to the bmm form."""
-    if fused_allowed and spec.head_dim_v == spec.head_dim and fused_kernel_works():
+    inputs holding NaN (``backend.nan_free``) keep to the bmm form, in float32 products."""
+    if nan_free and spec.head_dim_v == spec.head_dim and fused_kernel_works():
         _forward_group_fused(spec, q, k, v, members, out, lse, need_lse)
     else:
-        _forward_group_bmm(spec, q, k, v, members, out, lse, need_lse)
+        _forward_group_bmm(spec, q, k, v, members, out, lse, need_lse, nan_free)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,11 +221,11 @@ def _write_rows(spec: AttnSpec, lay: _Layout, o: Tensor, group_lse: Optional[Ten
 
 
 def _forward_group_bmm(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, members: list[Member], out: Tensor,
-                       lse: Tensor, need_lse: bool) -> None:
+                       lse: Tensor, need_lse: bool, nan_free: bool = True) -> None:
     n = len(members)
     hq, hkv = spec.heads_q, spec.heads_kv
     group = hq // hkv
-    mm, acc = blocked.matmul_dtype(spec), blocked.stats_dtype(spec.dtype)   # see blocked.py: precision
+    mm, acc = blocked.matmul_dtype(spec, nan_free), blocked.stats_dtype(spec.dtype)   # see blocked.py: precision
     lay = _layout(spec, tuple(members))
     width_q, width_k = lay.width_q, lay.width_k
     qs = blocked._query_rows(spec, q.index_select(0, lay.rows_q))

@@ -40,7 +40,9 @@ def matmul_dtype(spec: AttnSpec, nan_free: bool = True) -> torch.dtype:
     Not bf16 when the inputs hold NaN: PyTorch's CPU bf16 bmm (oneDNN) lets a row of NaN in its
     first operand spill into the neighbouring row (measured: rows 6 and 7 of a (44, 17) operand),
     which would put NaN in a query row that never sees the NaN."""
-    return torch.float32 if spec.dtype == torch.float16 or not nan_free else spec.dtype
+    if spec.dtype == torch.float16 or (spec.dtype == torch.bfloat16 and not nan_free):
+        return torch.float32
+    return spec.dtype
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:

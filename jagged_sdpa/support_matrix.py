@@ -37,7 +37,8 @@ ROWS = (
     ("sliding window", lambda c: _yes(c.window)),
     ("softcap", lambda c: _yes(c.softcap)),
     ("ALiBi", lambda c: _yes(c.alibi)),
-    ("ALiBi with gradient", lambda c: _yes(c.alibi and c.alibi_backward)),
+    ("ALiBi with gradient (q, k, v)", lambda c: _yes(c.alibi and c.alibi_backward)),
+    ("gradient of the ALiBi slopes", lambda c: _yes(c.alibi and c.alibi_slopes_grad)),
     ("dropout", lambda c: _yes(c.dropout)),
     ("backward", lambda c: _yes(c.backward)),
     ("return_lse", lambda c: _yes(c.lse)),
@@ -72,8 +73,9 @@ def main(argv=None) -> int:
     if args.write:
         with open(args.write) as f:
             text = f.read()
+        updated = replace_in(text)  # before opening for writing: a file without the markers stays as it is
         with open(args.write, "w") as f:
-            f.write(replace_in(text))
+            f.write(updated)
     else:
         print(render())
     return 0

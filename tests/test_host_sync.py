@@ -78,8 +78,9 @@ def test_policy_reads_on_cpu_and_only_without_max_lengths_elsewhere():
 
 
 def test_meta_tensors_cannot_be_read():
-    """The premise of the tests below: a read of a meta tensor raises instead of returning data."""
-    with pytest.raises(NotImplementedError):
+    """The premise of the tests below: a read of a meta tensor raises (a ValueError saying what to
+    pass) instead of returning data."""
+    with pytest.raises(ValueError, match="meta tensors hold no lengths to read"):
         layout.read_host(torch.zeros(3, dtype=torch.int32, device=META))
 
 
@@ -110,7 +111,7 @@ def test_a_missing_max_length_costs_one_read(reads, missing):
     """Without either max the lengths must be read: on meta that read raises, proving it happens."""
     tensors, max_q, max_k = paged(META)
     maxes = {"max_seqlen_q": max_q, "max_seqlen_k": max_k, missing: None}
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="meta tensors hold no lengths to read"):
         prepare_paged(*tensors, maxes["max_seqlen_q"], maxes["max_seqlen_k"])
     assert len(reads) == 1
 
@@ -185,7 +186,7 @@ def test_paged_append_always_reads_to_refuse_before_writing(reads):
     (_, k_cache, v_cache, _, table, seqused), _, _ = paged(META)
     cu_new = torch.zeros(5, dtype=torch.int32, device=META)
     new = torch.empty(0, 2, 16, device=META)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="meta tensors hold no lengths to read"):
         jagged_sdpa.paged_append(k_cache, v_cache, table, seqused, new, new, cu_new)
     assert len(reads) == 1
 

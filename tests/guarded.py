@@ -66,3 +66,24 @@ def run_child(code: str, timeout: float = 300, env: dict | None = None) -> subpr
         [here, os.path.dirname(here)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout, env=full_env, cwd=os.path.dirname(here))
+
+
+def read_past_the_keys(k_expr: str, marker: str) -> str:
+    """Child code for the controls: the kernel called with cu_seqlens_k patched, after validation,
+    to claim 40 keys where ``k`` (built by ``k_expr``) holds 4, so it reads past k; prints
+    ``marker`` only if nothing stopped it."""
+    return f"""
+import ctypes, torch
+from guarded import guarded
+from kernel_calls import packed_call
+from jagged_sdpa.backends.cpu import native
+q, k = torch.randn(4, 1, 16), {k_expr}
+cu = torch.tensor([0, 4], dtype=torch.int32)
+call = packed_call(q, k, k, cu, cu)
+out, lse, keep = torch.empty(4, 1, 16), torch.empty(1, 4), []
+params = native._params(call, out, lse, keep)
+bad = torch.tensor([0, 40], dtype=torch.int32)
+params.cu_k = bad.data_ptr()
+native.library().js_attention_forward(ctypes.byref(params))
+print("{marker}")
+"""

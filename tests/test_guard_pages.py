@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from guarded import run_child
+from guarded import read_past_the_keys, run_child
 from jagged_sdpa.backends.cpu import native
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -61,20 +61,6 @@ print("read", ctypes.c_float.from_address(t.data_ptr() + {offset}).value)
 def test_control_a_kernel_read_past_the_keys_faults():
     """The kernel with cu_seqlens_k patched (after validation) to claim 40 keys where the guarded k
     holds 4 reads past k and faults."""
-    code = """
-import ctypes, torch
-from guarded import guarded
-from kernel_calls import packed_call
-from jagged_sdpa.backends.cpu import native
-q, k = torch.randn(4, 1, 16), guarded(torch.randn(4, 1, 16))
-cu = torch.tensor([0, 4], dtype=torch.int32)
-call = packed_call(q, k, k, cu, cu)
-out, lse, keep = torch.empty(4, 1, 16), torch.empty(1, 4), []
-params = native._params(call, out, lse, keep)
-bad = torch.tensor([0, 40], dtype=torch.int32)
-params.cu_k = bad.data_ptr()
-native.library().js_attention_forward(ctypes.byref(params))
-print("NO FAULT")
-"""
+    code = read_past_the_keys("guarded(torch.randn(4, 1, 16))", "NO FAULT")
     proc = run_child(code, timeout=60)
     assert proc.returncode in _SEGV and "NO FAULT" not in proc.stdout, proc.stdout[-2000:]

@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-from guarded import run_child
+from guarded import read_past_the_keys, run_child
 
 SANITIZE = "address,undefined"
 
@@ -58,19 +58,7 @@ assert "attention-sanitize-" in str(native.library_path()), (native.library_path
 def test_control_a_read_past_the_keys_is_reported(asan_env):
     """cu_seqlens_k patched after validation to claim 40 keys where k holds 4: the kernel reads
     past k, and the sanitized build must abort with a heap-buffer-overflow report in attention.cpp."""
-    code = _LOAD + """
-import ctypes, torch
-from kernel_calls import packed_call
-q, k = torch.randn(4, 1, 16), torch.randn(4, 1, 16)
-cu = torch.tensor([0, 4], dtype=torch.int32)
-call = packed_call(q, k, k, cu, cu)
-out, lse, keep = torch.empty(4, 1, 16), torch.empty(1, 4), []
-params = native._params(call, out, lse, keep)
-bad = torch.tensor([0, 40], dtype=torch.int32)
-params.cu_k = bad.data_ptr()
-native.library().js_attention_forward(ctypes.byref(params))
-print("NO SANITIZER REPORT")
-"""
+    code = _LOAD + read_past_the_keys("torch.randn(4, 1, 16)", "NO SANITIZER REPORT")
     proc = run_child(code, env=asan_env, timeout=120)
     assert proc.returncode != 0 and "NO SANITIZER REPORT" not in proc.stdout, proc.stdout[-3000:]
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stdout and "attention.cpp" in proc.stdout, \

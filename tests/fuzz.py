@@ -32,7 +32,7 @@ Design
   MATH may not. Dropout: same seed -> same output, no NaN; ``dropout_p=1.0`` -> zeros; ``0.0``
   -> the reference. Meta tensors: an output of the right shape on meta (or a clean refusal).
 * Failures are collected, never raised: each prints one line with its repro command and the run
-  goes on. ``classify`` matches a failure against ``KNOWN`` (bugs being fixed elsewhere, one entry
+  goes on. ``classify`` matches a failure against ``KNOWN`` (open bugs, one entry
   per class; delete an entry once its fix lands).
 
 Command line (from the repository root)::
@@ -1071,7 +1071,9 @@ def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
         if g is None:
             raise Failure("dalibi: alibi_slopes requires grad but got no gradient")
         w, widest = pick("alibi", s64)
-        _close("dalibi", g, w, dtype, grad=True, lowp=widest, fudge=FUDGE[dtype])
+        # The slopes are float32 by contract, so their gradient is too, whatever the call's dtype.
+        slope_dtype = torch.float32 if dtype == torch.float64 else dtype
+        _close("dalibi", g, w, slope_dtype, grad=True, lowp=widest, fudge=FUDGE[slope_dtype])
 
 
 def _scatter_cache(b, name, packed_grad):
@@ -1167,8 +1169,9 @@ def _nan_equal(a, c):
 
 
 # ----------------------------------------------------------------------------------------------
-# known bugs (being fixed elsewhere): one entry per class, (case, message) -> bool. Delete an entry
-# once its fix lands; tests/test_fuzz.py toggles them one by one.
+# known open bugs: one entry per class, (case, message) -> bool. Delete an entry once its fix
+# lands; tests/test_fuzz.py toggles them one by one. The nine classes of issue 11 (and the eight
+# this fuzzer found beside them) are fixed and their entries deleted: they fail as new bugs again.
 
 
 def _native(case):
@@ -1178,73 +1181,21 @@ def _native(case):
         case["layout"] != "lastdim" and not _dropout_p(case)
 
 
-def _nan_lost(message):
-    """A NaN mismatch with NaN missing where the reference has it."""
-    return re.search(r", [1-9]\d* NaN not propagated", message) is not None
-
-
-def _torch_engines(case):
-    return case["backend"] == "cpu_torch" or (case["backend"] in ("auto", "cpu_fused") and not _native(case)) or \
-        (case["backend"] in ("auto", "cpu_fused") and case["grad"] and case["entry"] == "paged")
+def _torch_engines_backward(case):
+    """The torch-op engines run this call's backward: forced, or a paged cache (the compiled
+    kernel has no paged backward yet), or what the kernel does not take."""
+    return case["grad"] and (case["backend"] == "cpu_torch" or not _native(case) or case["entry"] in ("paged", "append"))
 
 
 KNOWN = {
-    # Most specific first: a failure is labelled with the first class it matches.
-    # 9. dropout_p=1.0 refused (PyTorch accepts it and gives zeros).
-    "dropout_one_refused": lambda c, m: c["dropout"] == "one" and "dropout_p" in m,
-    # 9. alibi_slopes.requires_grad: silently no gradient.
-    "alibi_grad_none": lambda c, m: c["alibi_grad"] and "dalibi" in m,
-    # 9. meta tensors: NoBackendError instead of a meta output (varlen); through sdpa the NJT offsets
-    #    are read on the host first (layout.read_host): NotImplementedError "Cannot copy out of meta".
-    "meta_no_backend": lambda c, m: c.get("meta", False) and m.startswith("meta tensors"),
-    # 6. window_size entries >= 2**63 accepted and wrapped.
-    "window_ge_2_63": lambda c, m: any(w >= 2**63 for w in c["window"]),
-    # NEW (found by this fuzzer, not yet assigned): a window entry near the int64 maximum (a valid
-    # int, e.g. 2**63 - 1) overflows pos +/- window in MATH (positions.keep_mask), the compiled kernel
-    # (attention.cpp, window bounds) and triton (int32 conversion): rows lose every key.
-    "window_near_int64_max": lambda c, m: any(2**62 < w < 2**63 for w in c["window"]),
-    # 7. MATH loses autograd on an empty batch (total_q == 0 with requires_grad).
-    "math_empty_batch_autograd": lambda c, m: c["grad"] and sum(c["q_lens"]) == 0 and "autograd lost" in m,
-    # 3. IndexError in cpu_fused backward when the first 128-row block sees no key.
-    "bwd_first_block_sees_no_key": lambda c, m: c["grad"] and "IndexError" in m,
-    # 2. a last dim of stride != 1 through cpu_fused's torch-op engines: wrong outputs (any symptom).
-    "strided_last_dim_torch_engines": lambda c, m: c["layout"] == "lastdim" and _torch_engines(c),
-    # 4. NaN in a query row: the kernel returns 0/-inf instead of NaN.
-    "nan_query_row": lambda c, m: c["nan"] is not None and c["nan"][0] == "q" and "NaN" in m and _native(c),
-    # NEW (the same root cause as 4 in attention.cpp: vmax/std::max drop NaN, `!(l > 0)` calls a NaN
-    # row empty): a NaN in k gives 0 / lse -inf for the rows that keep that key.
-    "nan_key_not_propagated": lambda c, m: c["nan"] is not None and c["nan"][0] == "k" and "NaN" in m
-    and _native(c),
-    # NEW: the torch-op engines' grouped engine (grouped.py: PyTorch's fused CPU SDPA on padded
-    # groups; many short sequences, e.g. dense K/V) outputs 0 for a row whose scores are NaN (a NaN
-    # in q, or in a key it keeps).
-    "nan_row_torch_engines": lambda c, m: c["nan"] is not None and c["nan"][0] in "qk"
-    and _nan_lost(m) and _torch_engines(c),
-    # NEW: triton writes lse -inf (out NaN) for a row whose scores are NaN (fwd.py: seen = l_i > 0).
-    "triton_nan_row_lse": lambda c, m: c["backend"] == "triton" and c["nan"] is not None
-    and m.startswith("lse: NaN mismatch"),
-    # NEW (same code path as 5, worse): triton's pack-GQA forward (plans.pack_gqa: GQA and
-    # max_seqlen_q <= 16) with an empty key sequence segfaults under the interpreter: an
-    # out-of-bounds access (on a GPU: an illegal address or garbage). Seen only with --chunk.
-    "triton_pack_gqa_empty_keys_crash": lambda c, m: c["backend"] == "triton" and c["hq"] != c["hkv"]
-    and max(c["q_lens"] + [0]) <= 16 and m.startswith("CRASH") and 0 in c["k_lens"],
-    # 5. triton GQA with max_seqlen_q <= 16 leaves rows that see no key unwritten.
-    #    (Garbage differs between runs: with dropout it shows as two different outputs for one seed.)
-    "triton_gqa_unwritten_rows": lambda c, m: c["backend"] == "triton" and c["hq"] != c["hkv"]
-    and max(c["q_lens"] + [0]) <= 16 and m.startswith(("out", "lse", "dropout")),
-    # 1. compiled kernel, top-left alignment, a window whose start lies past the last key: NaN rows,
-    #    or a crash with an empty key sequence.
-    "tl_window_past_last_key": lambda c, m: _native(c) and c["alignment"] == "top_left" and c["window"] != (-1, -1)
-    and ("out" in m or (m.startswith("CRASH") and 0 in c["k_lens"])),
-    # 8. bf16 gradients far off on torch-op backward (paged/strided) with sharp softmaxes.
-    "bf16_torch_backward": lambda c, m: c["grad"] and c["dtype"] == "bfloat16" and m.startswith(("dq", "dk", "dv"))
-    and _torch_engines(c),
-    # NEW (related to 8): the torch-op engines round bf16 scores to bf16 (blocked.matmul_dtype keeps
-    # bf16 matmuls whenever a gradient is needed or no lse is asked for): the forward out and the
-    # lse the caller asked for are off by ~|s| 2^-9 in the logits, far past bf16 rounding of the
-    # output when logits are large.
-    "bf16_scores_torch_engines": lambda c, m: c["dtype"] == "bfloat16" and _torch_engines(c)
-    and (m.startswith("out:") or m.startswith("lse:")),
+    # OPEN (long run of session 4): the torch-op engines' FlashAttention-style backward with huge
+    # logits (softmax_scale 45-120 on unit-variance q/k): gradients off by up to ~0.9 where float64
+    # gives 0 (a single key) or ~1% elsewhere. delta = rowsum(dO * out) from the stored, rounded
+    # output, and P recomputed from the forward's lse, differ from the exact values by a rounding
+    # error that the scale multiplies. The compiled kernel passes the same cases; issue 14 moves the
+    # paged backward into it and retires these engines.
+    "torch_engines_backward_huge_logits": lambda c, m: c["scores"] == "huge" and _torch_engines_backward(c)
+    and m.startswith("d"),
 }
 
 

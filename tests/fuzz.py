@@ -435,9 +435,8 @@ def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=N
     (Hq, total_q), -inf for rows that see no key, with finite gradients everywhere."""
     dtype = q.dtype
     comp = comp or (torch.float64 if dtype == torch.float64 else torch.float32)
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
-    scale = 1.0 / math.sqrt(d) if case["scale"] is None else case["scale"]
     cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
     outs, lses = [], []
     for s in range(len(cu_q) - 1):
@@ -453,18 +452,9 @@ def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=N
             continue
         kb = k[ks:ks + lk].to(comp).repeat_interleave(group, 1)
         vb = v[ks:ks + lk].to(comp).repeat_interleave(group, 1)
-        sc = torch.einsum("qhd,khd->hqk", qb, kb) * scale
-        if case["softcap"]:
-            sc = case["softcap"] * torch.tanh(sc / case["softcap"])
-        shift = lk - lq if case["alignment"] == "bottom_right" else 0
-        pos = torch.arange(lq).unsqueeze(1) + shift
-        j = torch.arange(lk).unsqueeze(0)
-        if slopes is not None:
-            sl = slopes if slopes.dim() == 1 else slopes[s]
-            sc = sc - sl.to(comp).view(-1, 1, 1) * (pos - j).abs().to(comp)
-        keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"])
+        sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
         seen = keep.any(-1).view(1, lq, 1)
-        sc = sc.masked_fill(~keep, -math.inf).masked_fill(~seen, 0.0)   # unseen rows: finite, dropped below
+        sc = sc.masked_fill(~seen, 0.0)   # unseen rows: finite, dropped below
         p = torch.where(seen, torch.softmax(sc, -1), torch.zeros_like(sc))
         outs.append(torch.einsum("hqk,khd->qhd", p, vb))
         lses.append(torch.where(seen.view(1, lq), torch.logsumexp(sc, -1), torch.full_like(sc[..., 0], -math.inf)))
@@ -954,20 +944,25 @@ def grad_logit_bounds(case, b, ref, c=2.0):
     return {"q": bq, "k": bk, "v": bv}
 
 
-def _probabilities(case, qb, kb, s, b, lq, lk):
+def _masked_scores(case, qb, kb, slopes_b):
+    """Scores (Hq, Lq, Lk) in qb's dtype: scale, softcap, ALiBi (slopes_b (Hq,) or None), then the
+    masked keys at -inf; and the keep mask (Lq, Lk)."""
+    lq, lk = qb.shape[0], kb.shape[0]
     scale = 1.0 / math.sqrt(case["d"]) if case["scale"] is None else case["scale"]
     sc = torch.einsum("qhd,khd->hqk", qb, kb) * scale
     if case["softcap"]:
         sc = case["softcap"] * torch.tanh(sc / case["softcap"])
-    shift = lk - lq if case["alignment"] == "bottom_right" else 0
-    pos = torch.arange(lq).unsqueeze(1) + shift
-    j = torch.arange(lk).unsqueeze(0)
-    if b["slopes"] is not None:
-        sl = b["slopes"].detach().double()
-        sl = sl if sl.dim() == 1 else sl[s]
-        sc = sc - sl.view(-1, 1, 1) * (pos - j).abs().double()
+    if slopes_b is not None:
+        shift = lk - lq if case["alignment"] == "bottom_right" else 0
+        dist = (torch.arange(lq).unsqueeze(1) + shift - torch.arange(lk).unsqueeze(0)).abs().to(qb.dtype)
+        sc = sc - slopes_b.to(qb.dtype).view(-1, 1, 1) * dist
     keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"])
-    sc = sc.masked_fill(~keep, -math.inf)
+    return sc.masked_fill(~keep, -math.inf), keep
+
+
+def _probabilities(case, qb, kb, s, b, lq, lk):
+    slopes = None if b["slopes"] is None else b["slopes"].detach().double()
+    sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
     p = torch.softmax(sc, -1)
     return torch.where(keep.any(-1).view(1, lq, 1), p, torch.zeros_like(p))
 

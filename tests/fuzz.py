@@ -1177,9 +1177,9 @@ def _native(case):
 
 
 def _torch_engines_backward(case):
-    """The torch-op engines run this call's backward: forced, or a paged cache (the compiled
-    kernel has no paged backward yet), or what the kernel does not take."""
-    return case["grad"] and (case["backend"] == "cpu_torch" or not _native(case) or case["entry"] in ("paged", "append"))
+    """The torch-op engines run this call's backward: forced (cpu_torch), or what the compiled
+    kernel does not take (float64, dropout, a strided last dim)."""
+    return case["grad"] and (case["backend"] == "cpu_torch" or not _native(case))
 
 
 KNOWN = {
@@ -1187,8 +1187,8 @@ KNOWN = {
     # logits (softmax_scale 45-120 on unit-variance q/k): gradients off by up to ~0.9 where float64
     # gives 0 (a single key) or ~1% elsewhere. delta = rowsum(dO * out) from the stored, rounded
     # output, and P recomputed from the forward's lse, differ from the exact values by a rounding
-    # error that the scale multiplies. The compiled kernel passes the same cases; issue 14 moves the
-    # paged backward into it and retires these engines.
+    # error that the scale multiplies. The compiled kernel passes the same cases (paged calls with
+    # a gradient run it since, packed); issue 14 retires these engines.
     "torch_engines_backward_huge_logits": lambda c, m: c["scores"] == "huge" and _torch_engines_backward(c)
     and m.startswith("d"),
 }

@@ -498,6 +498,36 @@ def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.skipif(native.library() is None, reason="needs the compiled kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_call_with_a_gradient_runs_the_kernel_over_a_packed_copy(dtype):
+    """Paged calls that need a gradient run the compiled kernel on both passes over the keys they
+    use, gathered packed; dK/dV are summed back into the cache (shared blocks accumulate), the
+    same way on every run."""
+    q_lens, used = [3, 5, 2, 0], [20, 9, 17, 4]
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 2, 16, torch.float64,
+                                                          shared_first_block=True)
+    k_cache, v_cache = (torch.nan_to_num(t, nan=0.0) for t in (k_cache, v_cache))
+    q = torch.randn(sum(q_lens), 4, 16, dtype=torch.float64)
+    grad = torch.randn(sum(q_lens), 4, 16, dtype=torch.float64)
+    runs = []
+    for _ in range(2):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k_cache, v_cache)]
+        args = (*leaves, cu_of(q_lens), None)
+        kwargs = dict(block_table=table, seqused_k=seqused, causal=True, softcap=20.0, backend=CPU)
+        notes = " ".join(jagged_sdpa.explain(*args, **kwargs).notes)
+        assert "gathered into a packed copy" in notes and "not used" not in notes, notes
+        jagged_sdpa.varlen_attention(*args, **kwargs).backward(grad.to(dtype))
+        runs.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ref = [t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache)]
+    jagged_sdpa.varlen_attention(ref[0], ref[1], ref[2], cu_of(q_lens), None, block_table=table, seqused_k=seqused,
+                                 causal=True, softcap=20.0, backend="math").backward(grad)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    for got, want in zip(runs[0], (t.grad for t in ref)):
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
 @pytest.mark.usefixtures("torch_engines")
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_causal_runs_as_unmasked_rectangles_and_causal_squares(alignment, monkeypatch):

@@ -104,3 +104,13 @@ def test_checker_catches_a_wrong_number(monkeypatch):
     monkeypatch.setattr(fuzz.jagged_sdpa, "varlen_attention", detached)
     with pytest.raises(fuzz.Failure, match="autograd lost"):
         fuzz.run_case(dict(case))
+
+
+@pytest.mark.parametrize("seed, index", [(6001, 13787), (6001, 19583), (5001, 1978), (4001, 3286)])
+def test_paged_backward_with_huge_logits_runs_in_the_compiled_kernel(seed, index):
+    """Cases of the long runs where the torch-op backward of a paged call was off at large logits
+    (softmax_scale 45-200): paged calls that need a gradient now run the compiled kernel on both
+    passes over a packed copy of the keys (cpu/backend.packed_from_paged), and match float64."""
+    case = fuzz.make_case(seed, index, backend="auto")
+    assert case["entry"] == "paged" and case["grad"] and case["scores"] == "huge"
+    assert fuzz.run_case(case)[0] == "ok"

@@ -189,7 +189,8 @@ class CpuFusedBackend(BackendImpl):
         notes=(
             "fp32/fp16/bf16 without dropout: our compiled kernel, forward and backward (built on first "
             "use; needs a C++ compiler; paged caches read in place, or with a gradient gathered into a "
-            "packed copy of the keys used). Otherwise: fp32/fp64/fp16: PyTorch's fused CPU flash kernel per block of query rows; bf16, softcap and dropout: blocked matmuls; decode "
+            "packed copy of the keys used). Otherwise: fp32/fp64/fp16: PyTorch's fused CPU flash kernel "
+            "per block of query rows; bf16, softcap and dropout: blocked matmuls; decode "
             "rows (one query, no grad): elementwise passes over key chunks; short sequences without grad: "
             "padded groups",
         ),

@@ -58,10 +58,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     sm_scale = inputs.validate_scale("scale", scale, head_dim)
     alibi = inputs.validate_alibi(alibi_slopes, heads_q, batch, query.device)
 
-    notes = []
-    if inputs.drops_everything(p):
-        p = 0.0
-        notes.append(inputs.DROPS_EVERYTHING_NOTE)
+    p, drop_notes = inputs.dropout_to_run(p)
+    notes = list(drop_notes)
     kv_dense = not key.is_nested
     # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all);
     # read_host reads a tensor shared by several arguments (self-attention) once.
@@ -229,10 +227,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     # (~10 us each, dozens per call); with it disabled they are plain C reads. Ops on NJTs still
     # reach their real implementation through __torch_dispatch__.
     with torch._C.DisableTorchFunctionSubclass():
+        inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            inputs.validate_not_meta(name, x)
     chosen = choose(call.spec, forced, notes)
     out = _dropped(run(IMPLS[chosen], call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
@@ -259,11 +256,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
     window = inputs.validate_window(window_size)
     cap = inputs.validate_softcap(softcap, zero_means_off=True)
-    p = inputs.validate_dropout(dropout_p)
-    notes = ()
-    if inputs.drops_everything(p):
-        p = 0.0
-        notes = (inputs.DROPS_EVERYTHING_NOTE,)
+    p, notes = inputs.dropout_to_run(inputs.validate_dropout(dropout_p))
     sm_scale = inputs.validate_scale("softmax_scale", softmax_scale, q.shape[-1])
     batch = cu_seqlens_q.shape[0] - 1
     alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
@@ -379,11 +372,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         ValueError: shapes, sizes, contents, devices, option values, max_seqlen_* too small,
         block ids out of range. NoBackendError: no backend (or the forced one) can take the call.
     """
+    inputs.validate_not_meta("q", q)  # k/v on another device: the device checks say so
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        inputs.validate_not_meta(name, x)
     chosen = choose(call.spec, forced, notes)
     result = run(IMPLS[chosen], call)
     out = _dropped(result.out, dropout_p)

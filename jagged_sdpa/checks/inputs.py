@@ -74,10 +74,17 @@ def drops_everything(dropout_p: float) -> bool:
 DROPS_EVERYTHING_NOTE = "dropout_p=1 drops every probability: run without dropout, output multiplied by 0"
 
 
+def dropout_to_run(dropout_p: float) -> tuple[float, tuple[str, ...]]:
+    """The dropout probability the kernels run with, and the explain note when it differs from the
+    validated ``dropout_p`` (see ``drops_everything``)."""
+    return (0.0, (DROPS_EVERYTHING_NOTE,)) if drops_everything(dropout_p) else (dropout_p, ())
+
+
 def validate_not_meta(name: str, x: Tensor) -> None:
     """A call needs data: meta tensors (no storage) are refused before selection. ``explain``
-    takes them, which describes a call without allocating its tensors."""
-    if x.device.type == "meta":
+    takes them, which describes a call without allocating its tensors. Non-tensors are left to the
+    type checks that follow."""
+    if isinstance(x, Tensor) and x.device.type == "meta":
         raise ValueError(f"{name} is a meta tensor: attention needs data (explain() accepts meta tensors)")
 
 

@@ -32,6 +32,7 @@ from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 class _State(NamedTuple):
     rng: Optional[Tensor]        # default generator state before the forward (dropout only)
     lse_full: Optional[Tensor]   # float64 lse for float64 calls (the float32 one is too coarse)
+    clean: bool = True           # ``nan_free(q, k)``, found by the torch-op forward for its backward
 
 
 class _Seq(NamedTuple):
@@ -135,7 +136,7 @@ def packed_from_paged(call: PackedCall) -> tuple[PackedCall, Tensor]:
     cu_k = [0]
     for n in used:
         cu_k.append(cu_k[-1] + n)
-    spec = call.spec.replace(paged=False, block_size=0, seqused_k=False, total_k=cu_k[-1])
+    spec = _kernel_spec(call.spec).replace(total_k=cu_k[-1])
     packed = call.replace(k=call.k.flatten(0, 1).index_select(0, rows), v=call.v.flatten(0, 1).index_select(0, rows),
                           cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=call.k.device),
                           seqused_k=None, block_table=None, spec=spec, cu_k_host=tuple(cu_k), seqused_k_host=None)
@@ -291,7 +292,7 @@ class CpuFusedBackend(BackendImpl):
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         if lse_full is not None:
             lse.copy_(lse_full)
-        return AttnOutput(out, lse if spec.return_lse else None, _State(rng, lse_full))
+        return AttnOutput(out, lse if spec.return_lse else None, _State(rng, lse_full, clean))
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
@@ -307,7 +308,7 @@ class CpuFusedBackend(BackendImpl):
             dk.flatten(0, 1).index_add_(0, rows, dk_packed)
             dv.flatten(0, 1).index_add_(0, rows, dv_packed)
             return dq, dk, dv
-        state = state if isinstance(state, _State) else _State(None, None)
+        state = state if isinstance(state, _State) else _State(None, None, nan_free(call.q, call.k))
         if state.lse_full is not None:
             lse = state.lse_full
         generator = None
@@ -319,7 +320,7 @@ class CpuFusedBackend(BackendImpl):
         dv = torch.zeros_like(call.v)
         dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
         tasks, weights, parts = [], [], []
-        clean = nan_free(call.q, call.k)
+        clean = state.clean
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             if seq.len_k == 0:

@@ -86,7 +86,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
 
     cu_of = {}  # int32 cu_seqlens and validated stats per offsets, for arguments that share them
-    checks = DeviceChecks()  # filled only when nothing is read on the host
+    checks = None if read else DeviceChecks()  # only when nothing is read on the host
     q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of, checks)
     if kv_dense:
         seq_k = size_k[2]
@@ -143,7 +143,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
                       cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
-    checks.queue()
+    if checks is not None:
+        checks.queue()
     return call, forced, tuple(notes)
 
 
@@ -267,7 +268,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                 [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
     host = layout.read_host(*to_read) if read else None
     stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q, "max_seqlen_q")
-    checks = DeviceChecks()  # filled only when nothing is read on the host
+    checks = None if read else DeviceChecks()  # only when nothing is read on the host
     if host is None:
         checks.add_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
     seqused_host = None
@@ -337,7 +338,8 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
-    checks.queue()
+    if checks is not None:
+        checks.queue()
     return call, forced, notes
 
 

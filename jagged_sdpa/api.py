@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from jagged_sdpa import layout
-from jagged_sdpa._autograd import run
-from jagged_sdpa.backends import IMPLS, Backend
+from jagged_sdpa import ops
+from jagged_sdpa.backends import Backend
 from jagged_sdpa.checks import inputs
-from jagged_sdpa.checks.device import DeviceChecks
+from jagged_sdpa.checks import contents
 from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
@@ -33,6 +33,30 @@ def _capability(device: torch.device) -> Optional[tuple[int, int]]:
 
 def _forced(backend) -> Optional[Backend]:
     return None if backend is None else to_backend(backend)
+
+
+def _host_read(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[int], device: torch.device,
+               why: Optional[str] = None) -> bool:
+    """Whether this call reads its lengths on the host now (``layout.host_read_needed``, or ``why``
+    one is needed). Inside ``torch.compile`` nothing is read (a read is data the trace cannot
+    see: the operator checks the contents when it runs), so a call that needs one is refused."""
+    if not torch.compiler.is_compiling():
+        return why is not None or layout.host_read_needed(device, max_q, max_k)
+    if why is not None:
+        raise ValueError(f"{why} need a host read of the offsets, which torch.compile cannot trace: call it "
+                         f"outside the compiled region")
+    missing = [name for name, m in ((name_q, max_q), (name_k, max_k)) if m is None]
+    if missing:
+        raise ValueError(f"under torch.compile the maximum sequence lengths must be known without reading tensor "
+                         f"data: pass {' and '.join(missing)} (ints)" + (
+                             " (NJTs built by torch.nested carry it)" if "cached" in missing[0] else ""))
+    return False
+
+
+def _dropout_key(spec: AttnSpec) -> Optional[Tensor]:
+    """The (seed, offset) key of a call's dropout masks (``keyed_dropout``), drawn here so that a
+    compiled graph draws it too, and forward and backward share it."""
+    return None  # keyed dropout lands with issue 14
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -76,7 +100,11 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     given_q = layout.njt_cached_max_seqlen(query)
     given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
     has_holes = any(len(slot) == 2 for slot in slots.values())
-    read = has_holes or layout.host_read_needed(query.device, given_q, given_k)
+    # Holes are gathered, and a value with offsets of its own compared to key's, from a host read.
+    why_read = ("NJTs with holes (lengths())" if has_holes else
+                "value with offsets other than key's" if "value" in njts else None)
+    read = _host_read("query's cached max seqlen", given_q, "key's cached max seqlen", given_k, query.device,
+                      why_read)
     host = layout.read_host(*tensors) if read else None
 
     def host_of(name):
@@ -86,8 +114,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
 
     cu_of = {}  # int32 cu_seqlens and validated stats per offsets, for arguments that share them
-    checks = None if read else DeviceChecks()  # only when nothing is read on the host
-    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of, checks)
+    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of)
     if kv_dense:
         seq_k = size_k[2]
         k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
@@ -96,9 +123,9 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         cu_k = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_k
         stats_k = layout.SeqlenStats(tuple(b * seq_k for b in range(batch + 1)), seq_k, seq_k == 0 and batch > 0)
     else:
-        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of, checks)
+        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of)
         if "value" in njts:
-            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of, checks)
+            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of)
             if stats_v.cu_host is not None and _lengths(stats_v.cu_host) != _lengths(stats_k.cu_host):
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
@@ -142,9 +169,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
-                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
-    if checks is not None:
-        checks.queue()
+                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None,
+                      dropout_key=_dropout_key(spec))
     return call, forced, tuple(notes)
 
 
@@ -158,19 +184,18 @@ def _equal_lengths(cu_q_host, cu_k_host) -> bool:
     return cu_q_host is not None and cu_k_host is not None and tuple(cu_q_host) == tuple(cu_k_host)
 
 
-def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of, checks):
+def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
     """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
-        key = (id(offsets_host), packed.shape[0], given_max)  # offsets shared with an argument before
-        stats = cu_of.get(key) if offsets_host is not None else None
+        # Offsets read for an argument before (shared with it) are validated once.
+        key = (id(offsets_host), packed.shape[0], given_max) if offsets_host is not None else None
+        stats = cu_of.get(key) if key is not None else None
         if stats is None:
             stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max,
-                                           f"{name}'s cached max seqlen")
-            cu_of[key] = stats
-        if offsets_host is None:
-            checks.add_cu(f"{name}.offsets()", njt.offsets(), packed.shape[0], given_max,
-                          f"{name}'s cached max seqlen")
+                                        f"{name}'s cached max seqlen")
+            if key is not None:
+                cu_of[key] = stats
         offsets = njt.offsets()
         cu = cu_of.get(id(offsets))
         if cu is None:
@@ -232,7 +257,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
     chosen = choose(call.spec, forced, notes)
-    out = _dropped(run(IMPLS[chosen], call).out, dropout_p)
+    out = _dropped(ops.run(chosen, call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
 
@@ -263,45 +288,18 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
     paged = block_table is not None
 
-    read = layout.host_read_needed(q.device, max_q, max_k)
-    to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
-                                [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
-    host = layout.read_host(*to_read) if read else None
-    stats_q = layout.seqlen_stats("cu_seqlens_q", host and host[0], q.shape[0], max_q, "max_seqlen_q")
-    checks = None if read else DeviceChecks()  # only when nothing is read on the host
-    if host is None:
-        checks.add_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, "max_seqlen_q")
-    seqused_host = None
-    if paged:
-        num_blocks, block_size = k.shape[0], k.shape[1]
-        width = block_table.shape[1]
-        stats_k = layout.lengths_stats("seqused_k", host and host[2], [width * block_size] * batch, max_k)
-        if host is not None:
-            seqused_host = tuple(host[2])
-            rows = [host[1][b * width:(b + 1) * width] for b in range(batch)]
-            inputs.validate_block_ids(rows, seqused_host, block_size, num_blocks)
-        else:
-            checks.add_lengths("seqused_k", seqused_k, width * block_size, max_k)
-            checks.add_block_ids(block_table, seqused_k, block_size, num_blocks)
-        cu_k_host = None
-    else:
-        block_size = 0
-        # With seqused_k, max_seqlen_k bounds the used keys, not the cu_seqlens_k segments.
-        max_cu_k = max_k if seqused_k is None else (k.shape[0] if host is None else None)
-        if host is not None and host[1] is host[0] and k.shape[0] == q.shape[0] and max_cu_k == max_q:
-            stats_k = stats_q  # self-attention: the same cu_seqlens, read once, already validated
-        else:
-            stats_k = layout.seqlen_stats("cu_seqlens_k", host and host[1], k.shape[0], max_cu_k, "max_seqlen_k")
-        cu_k_host = stats_k.cu_host
-        if host is None:
-            checks.add_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_cu_k, "max_seqlen_k")
-        if seqused_k is not None:
-            if host is not None:
-                seqused_host = tuple(host[2])
-                stats_k = layout.lengths_stats("seqused_k", seqused_host, _lengths(cu_k_host), max_k)
-            else:
-                checks.add_lengths("seqused_k", seqused_k, cu_seqlens_k, max_k)
-                stats_k = layout.SeqlenStats(None, max_k, True)
+    block_size = k.shape[1] if paged else 0
+    read = _host_read("max_seqlen_q", max_q, "max_seqlen_k", max_k, q.device)
+    if read:
+        to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
+                                    [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
+        found = contents.varlen_lengths(layout.read_host(*to_read), q.shape[0], k, max_q, max_k, paged,
+                                        seqused_k is not None)
+        stats_q, stats_k, cu_k_host, seqused_host = found
+    else:  # checked when the operator runs (checks.contents)
+        stats_q = layout.SeqlenStats(None, max_q, True)
+        stats_k = layout.SeqlenStats(None, max_k, True)
+        cu_k_host = seqused_host = None
     spec = AttnSpec(
         entry="varlen",
         device_type=q.device.type,
@@ -337,9 +335,8 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
-    if checks is not None:
-        checks.queue()
+                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host,
+                      dropout_key=_dropout_key(spec))
     return call, forced, notes
 
 
@@ -379,7 +376,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
     chosen = choose(call.spec, forced, notes)
-    result = run(IMPLS[chosen], call)
+    result = ops.run(chosen, call)
     out = _dropped(result.out, dropout_p)
     return (out, result.lse) if return_lse else out
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 try:  # the NJT class: private, used only for cheap type and size reads, with public fallbacks
     from torch.nested._internal.nested_tensor import NestedTensor as NJT_CLASS
@@ -89,7 +90,7 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
     never see such offsets.
     """
     if host is None:
-        return SeqlenStats(None, int(given_max), True)
+        return SeqlenStats(None, given_max, True)
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0, got {host[0]}")
     lengths = [b - a for a, b in zip(host[:-1], host[1:])]
@@ -112,7 +113,7 @@ def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], giv
     ``cu_host`` of the result holds the cumulative sums of the lengths.
     """
     if host is None:
-        return SeqlenStats(None, int(given_max), True)
+        return SeqlenStats(None, given_max, True)
     for b, n in enumerate(host):
         if n < 0:
             raise ValueError(f"{name}[{b}] must be >= 0, got {n}")
@@ -144,7 +145,7 @@ def tensor_size(x: Tensor) -> tuple:
 def njt_cached_max_seqlen(njt: Tensor) -> Optional[int]:
     """The max seqlen an NJT already knows (a private attribute read in this one place), or None."""
     value = getattr(njt, "_maybe_max_seqlen", None)
-    return None if value is None else int(value)
+    return value if value is None or isinstance(value, torch.SymInt) else int(value)
 
 
 def njt_offsets(njt: Tensor) -> Tensor:
@@ -186,14 +187,15 @@ def packed_to_njt(out: Tensor, like: Tensor, cu_seqlens: Tensor, max_seqlen: int
     """Wrap packed (total, H, Dv) as a (B, H, j, Dv) NJT that shares ``like``'s offsets.
 
     Without autograd the NJT is constructed directly (~15 us) when ``direct_njt_works()``; the
-    public ``nested_tensor_from_jagged(...).transpose(1, 2)`` costs ~110 us (two NJT dispatches).
+    public ``nested_tensor_from_jagged(...).transpose(1, 2)`` costs ~110 us (two NJT dispatches)
+    and is what ``torch.compile`` traces (compiled, it costs nothing per call).
     A result that needs a gradient takes the public path: only its view op records the backward.
     """
     if like.lengths() is not None:
         return _njt_with_holes_like(out, like, cu_seqlens, max_seqlen)
     offsets = like.offsets()
     min_seqlen = getattr(like, "_maybe_min_seqlen", None)
-    if not out.requires_grad and direct_njt_works():
+    if not out.requires_grad and not torch.compiler.is_compiling() and direct_njt_works():
         return _direct_njt(out, offsets, min_seqlen, max_seqlen)
     return _public_njt(out, offsets, min_seqlen, max_seqlen)
 
@@ -259,11 +261,15 @@ def direct_njt_works() -> bool:
 
 
 def row_stride_align(*tensors: Tensor) -> int:
-    """Largest power of two (bytes, capped at 256) dividing every pointer and non-unit stride."""
+    """Largest power of two (bytes, capped at 256) dividing every pointer and non-unit stride.
+    Pointers are unknown to a ``torch.compile`` trace (and to meta tensors): there only strides
+    count, and the operator measures the real pointers again before its kernel runs."""
     acc = 256
+    traced = torch.compiler.is_compiling()
     for t in tensors:
         size = t.element_size()
-        acc |= t.data_ptr() if t.device.type != "meta" else 0
+        if not traced and t.device.type != "meta" and not is_fake(t):
+            acc |= t.data_ptr()
         for s in t.stride()[:-1]:
             acc |= s * size
     return acc & -acc

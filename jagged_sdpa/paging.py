@@ -112,7 +112,8 @@ def paged_append(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_
     updated ``seqused_k`` (int32 (B,), a new tensor; the argument is not modified).
 
     Costs one host read of ``cu_seqlens_new``, ``seqused_k`` and ``block_table`` (all validated
-    before the first write).
+    before the first write), inside the ``jagged_sdpa::paged_append`` operator (``ops.py``): under
+    ``torch.compile`` the read happens when the operator runs.
 
     Raises:
         TypeError: non-tensors, index tensors that are not int32, caches or new keys/values of
@@ -121,11 +122,18 @@ def paged_append(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_
         assigned blocks, two tokens written to one slot. Nothing is written when it raises.
     """
     _validate_caches(k_cache, v_cache, k_new, v_new)
-    device = k_cache.device
-    batch = _validate_index_tensors(block_table, seqused_k, cu_seqlens_new, device)
-    num_blocks, block_size = k_cache.shape[:2]
-    width = block_table.shape[1]
+    _validate_index_tensors(block_table, seqused_k, cu_seqlens_new, k_cache.device)
+    if k_cache.device.type == "meta":  # the operator's meta kernel would write nothing, silently
+        raise ValueError("meta tensors hold no lengths to read: paged_append needs the values of cu_seqlens_new, "
+                         "seqused_k and block_table")
+    return torch.ops.jagged_sdpa.paged_append(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new)
 
+
+def append_checked(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_k: Tensor, k_new: Tensor,
+                   v_new: Tensor, cu_seqlens_new: Tensor) -> Tensor:
+    """The ``jagged_sdpa::paged_append`` operator: read and check the contents, then write."""
+    batch, width = block_table.shape
+    num_blocks, block_size = k_cache.shape[:2]
     cu_host, used_host, table_host = layout.read_host(cu_seqlens_new, seqused_k, block_table)
     cu_new = layout.seqlen_stats("cu_seqlens_new", cu_host, k_new.shape[0], None).cu_host
     new_used = _validate_capacity(cu_new, used_host, width, block_size)
@@ -133,10 +141,9 @@ def paged_append(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_
     inputs.validate_block_ids(rows, tuple(new_used), block_size, num_blocks)
     slots = _write_slots(cu_new, used_host, rows, block_size)
     _validate_distinct(slots, cu_new, block_size)
-
     if slots:
-        index = torch.tensor(slots, dtype=torch.long, device=device)
+        index = torch.tensor(slots, dtype=torch.long, device=k_cache.device)
         blocks, offsets = index // block_size, index % block_size
         k_cache.index_put_((blocks, offsets), k_new)
         v_cache.index_put_((blocks, offsets), v_new)
-    return torch.tensor(new_used, dtype=torch.int32, device=device)
+    return torch.tensor(new_used, dtype=torch.int32, device=k_cache.device)

@@ -14,6 +14,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
+import torch
+
 from jagged_sdpa.backends import DEFAULT_ORDER, IMPLS, Backend
 from jagged_sdpa.errors import NoBackendError
 from jagged_sdpa.spec import AttnSpec
@@ -54,7 +56,11 @@ def use_backends(*backends: Union[Backend, str]) -> Iterator[tuple[Backend, ...]
         _ORDER.reset(token)
 
 
+@torch.compiler.assume_constant_result
 def current_order() -> tuple[Backend, ...]:
+    """The order in force. Inside ``torch.compile`` it is read when the function is traced, and the
+    compiled code keeps it (Dynamo cannot trace a ContextVar): enter ``use_backends`` before the
+    first call of a compiled function, or inside it."""
     return _ORDER.get() or DEFAULT_ORDER
 
 
@@ -105,12 +111,14 @@ def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = (
     first eligible one wins either way): the others' reasons feed only the log line, ``explain``
     and the error, and each of those computes them all. This keeps selection off the per-call cost.
     """
-    if not log.isEnabledFor(logging.DEBUG):
+    # Inside torch.compile this runs once, at trace time, and logs nothing (Dynamo cannot trace a
+    # logger): ``explain`` on the same arguments shows the choice.
+    if torch.compiler.is_compiling() or not log.isEnabledFor(logging.DEBUG):
         for backend in (forced,) if forced is not None else current_order():
             if not IMPLS[backend].reasons(spec):
                 return backend
     explanation = with_notes(select(spec, forced), notes)
-    if log.isEnabledFor(logging.DEBUG):
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("jagged_sdpa selection\n%s", explanation)
     if explanation.chosen is None:
         header = (

@@ -119,6 +119,7 @@ class PackedCall:
     cu_q_host: Optional[tuple[int, ...]] = None
     cu_k_host: Optional[tuple[int, ...]] = None
     seqused_k_host: Optional[tuple[int, ...]] = None
+    dropout_key: Optional[Tensor] = None
 
     def replace(self, **changes) -> "PackedCall":
         return dataclasses.replace(self, **changes)
@@ -135,6 +136,8 @@ class PackedCall:
         if cu is None:
             cu = tuple(self.cu_seqlens_k.tolist())
         used = self.seqused_k_host
+        if used is None and self.seqused_k is not None:
+            used = tuple(self.seqused_k.tolist())
         return [(cu[b], cu[b + 1] - cu[b] if used is None else used[b]) for b in range(len(cu) - 1)]
 
     def query_ranges_host(self) -> list[tuple[int, int]]:
@@ -146,8 +149,9 @@ class PackedCall:
 
 class AttnOutput(NamedTuple):
     """out: (total_q, Hq, Dv). lse: float32 (Hq, total_q), natural log, -inf for rows that see
-    no key, or None. state: whatever a backend's backward needs beyond q/k/v/out/lse (RNG state)."""
+    no key, or None. state: the tensors a backend's backward needs beyond q/k/v/out/lse (a CUDA
+    kernel's RNG state); tensors only, because it crosses the ``jagged_sdpa::attention`` operator."""
 
     out: Tensor
     lse: Optional[Tensor]
-    state: object = None
+    state: tuple = ()

@@ -26,7 +26,7 @@ from tolerances import assert_close_packed
 
 import jagged_sdpa
 from jagged_sdpa import api
-from jagged_sdpa._autograd import run
+from jagged_sdpa.ops import run
 from jagged_sdpa.backends import Backend
 from jagged_sdpa.backends import cuda_common as cc
 from jagged_sdpa.backends import flash_varlen
@@ -341,7 +341,7 @@ def varlen_call(lengths_q, lengths_k, heads_q, heads_kv, dim, dim_v=None, dtype=
 def check_against_reference(impl, call, *, alignment="bottom_right"):
     spec = call.spec
     assert impl.reasons(spec) == () or impl.is_available() is not None
-    result = run(impl, call)
+    result = run(impl.backend, call)
     ref_out, ref_lse = attention_reference(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
                                            scale=spec.scale, causal=spec.causal, alignment=alignment,
                                            window=spec.window, alibi_slopes=call.alibi_slopes,
@@ -416,7 +416,7 @@ def test_flash_paged_forward(fake_flash):
     call, _, _ = api._prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, 300, 0.0, None, True, (-1, -1), 0.0, None,
                                      True, block_table, used, None)
     call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
-    result = run(FlashVarlenBackend, call)
+    result = run(Backend.FLASH_VARLEN, call)
     k, v, cu_k = _gather_paged(k_cache, v_cache, block_table, [300, 7])
     ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
     assert_close_packed(result.out, ref_out, cu_seqlens=cu_q.tolist())
@@ -462,10 +462,10 @@ def test_efficient_seqused_k_forward(fake_efficient):
 def test_no_query_or_no_key_anywhere_runs_no_kernel(fake_flash, fake_efficient):
     for impl in (FlashVarlenBackend, EfficientBackend):
         call = varlen_call([0, 0], [3, 2], 2, 2, 16)
-        result = run(impl, call)
+        result = run(impl.backend, call)
         assert result.out.shape == (0, 2, 16) and result.lse.shape == (2, 0)
     call = varlen_call([2, 3], [0, 0], 2, 2, 16)
-    result = run(EfficientBackend, call)
+    result = run(Backend.EFFICIENT, call)
     assert (result.out == 0).all() and torch.isneginf(result.lse).all()
     dq, = torch.autograd.grad(result.out.sum(), (call.q,))
     assert (dq == 0).all()
@@ -635,7 +635,7 @@ def test_sdpa_self_attention_top_left_goes_to_flash(fake_flash):
     nested = torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, 3, 11])).transpose(1, 2)
     call = sdpa_call(nested, nested, nested, is_causal=True)
     assert call.spec.equal_lengths and FlashVarlenBackend.reasons(call.spec) == ()
-    result = run(FlashVarlenBackend, call)
+    result = run(Backend.FLASH_VARLEN, call)
     ref, _ = attention_reference(values, values, values, [0, 3, 11], [0, 3, 11], causal=True, alignment="top_left")
     assert_close_packed(result.out, ref, cu_seqlens=[0, 3, 11])
 
@@ -648,7 +648,7 @@ def test_sdpa_dense_kv_top_left_goes_to_efficient(fake_efficient):
     call = sdpa_call(nested, key, value, is_causal=True, enable_gqa=True)
     assert call.spec.kv_dense and not call.spec.equal_lengths
     assert any("top_left" in r for r in FlashVarlenBackend.reasons(call.spec))
-    result = run(EfficientBackend, call)
+    result = run(Backend.EFFICIENT, call)
     k = key.transpose(1, 2).reshape(12, 2, 32)
     v = value.transpose(1, 2).reshape(12, 2, 24)
     ref, _ = attention_reference(values, k, v, [0, 3, 8], [0, 6, 12], causal=True, alignment="top_left")

@@ -181,14 +181,15 @@ def test_paged_append_reads_once(reads):
     assert reads == [("cpu", "cpu", "cpu")]
 
 
-def test_paged_append_always_reads_to_refuse_before_writing(reads):
-    """On an accelerator too: the read is what makes 'a rejected call writes nothing' possible."""
+def test_paged_append_refuses_meta_tensors(reads):
+    """The append must read its lengths to refuse bad ones before writing; meta tensors have none,
+    and the operator's meta kernel would silently write nothing: refused before it runs."""
     (_, k_cache, v_cache, _, table, seqused), _, _ = paged(META)
     cu_new = torch.zeros(5, dtype=torch.int32, device=META)
     new = torch.empty(0, 2, 16, device=META)
     with pytest.raises(ValueError, match="meta tensors hold no lengths to read"):
         jagged_sdpa.paged_append(k_cache, v_cache, table, seqused, new, new, cu_new)
-    assert len(reads) == 1
+    assert reads == []
 
 
 def test_a_serving_step_reads_twice_per_layer_on_cpu(reads):

@@ -347,12 +347,9 @@ def test_import_error_without_transformers(monkeypatch):
         importlib.import_module("jagged_sdpa.integrations.transformers")
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.TorchDynamoException, reason="varlen_attention is not a torch.library custom op yet (API.md section 7, "
-                                       "issue 12's compile part): dynamo fails on its host read of cu_seqlens")
 def test_padding_free_compiles_fullgraph(models):
-    """API.md section 8: padding-free mode compiles with fullgraph=True. The integration passes the
-    collator's max lengths as ints and reads no tensor data on that path; strict xfail so that this
-    test reports when the library's custom ops land and the marker can go."""
+    """API.md section 8: padding-free mode compiles with fullgraph=True (Inductor), equal to eager.
+    The integration passes the collator's max lengths as ints and reads no tensor data on that path."""
     _, jagged = models("llama")
     seqs = _sequences()
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in seqs],
@@ -362,3 +359,27 @@ def test_padding_free_compiles_fullgraph(models):
         ref = jagged(**batch).logits
         got = torch.compile(jagged, fullgraph=True)(**batch).logits
     torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_compiled_packed_training_step_has_no_graph_break(models):
+    """A padding-free training step (loss and every parameter gradient) compiled with
+    fullgraph=True equals eager, and Dynamo finds no graph break in it."""
+    _, jagged = models("llama")
+    seqs = _sequences()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in seqs],
+                                                                      return_tensors="pt")
+
+    def loss_of(**kw):
+        return jagged(**kw).loss
+
+    explained = torch._dynamo.explain(loss_of)(**batch)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    params = [p for p in jagged.parameters() if p.requires_grad]
+    want_loss = loss_of(**batch)
+    want = torch.autograd.grad(want_loss, params)
+    got_loss = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(**batch)
+    got = torch.autograd.grad(got_loss, params)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)

@@ -1,8 +1,9 @@
 """``Backend`` enum and ``BackendImpl``, the base every backend implementation derives from.
 
 A backend declares ``caps`` once, adds the rules that cannot be declared in ``extra_reasons``,
-and implements ``forward`` (and ``backward`` unless torch autograd differentiates its forward).
-Backends never validate user input: ``checks.inputs`` already did.
+and implements ``forward`` and, for speed, ``backward`` (the default recomputes the forward under
+autograd). Both run inside the ``jagged_sdpa::attention`` operators (``ops.py``), with tensor
+contents already checked. Backends never validate user input: ``checks.inputs`` already did.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar, Iterator, Optional
 
+import torch
 from torch import Tensor
 
 from jagged_sdpa.checks import Reason
@@ -38,9 +40,6 @@ class Backend(str, enum.Enum):
 class BackendImpl:
     backend: ClassVar[Backend]
     caps: ClassVar[Capabilities]
-    # True when ``forward`` is built from differentiable torch ops, so autograd needs no help.
-    native_autograd: ClassVar[bool] = False
-
     @classmethod
     def is_available(cls) -> Optional[Reason]:
         """Cheap and cached: can this backend run at all in this process? None when it can."""
@@ -66,8 +65,23 @@ class BackendImpl:
         raise NotImplementedError
 
     @classmethod
-    def backward(
-        cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients (dq, dk, dv) in the shapes of call.q/k/v; lse is the forward's float32 lse."""
-        raise NotImplementedError
+    def fake_state(cls, call: PackedCall) -> tuple:
+        """The ``state`` tensors ``forward`` would return, as fake tensors (``torch.compile``
+        traces with them): none unless a backend keeps some."""
+        return ()
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple) -> tuple:
+        """Gradients (dq, dk, dv), plus dslopes when ``spec.alibi_grad``, in the shapes of
+        call.q/k/v/alibi_slopes; lse is the forward's float32 lse.
+
+        This default recomputes ``forward`` under autograd, for a forward made of differentiable
+        torch ops; a backend with kernels of its own overrides it."""
+        wrt = [call.q, call.k, call.v] + ([call.alibi_slopes] if call.spec.alibi_grad else [])
+        leaves = [t.detach().requires_grad_() for t in wrt]
+        again = call.replace(q=leaves[0], k=leaves[1], v=leaves[2], spec=call.spec.replace(return_lse=False),
+                             **({"alibi_slopes": leaves[3]} if call.spec.alibi_grad else {}))
+        with torch.enable_grad():
+            recomputed = cls.forward(again).out
+            grads = torch.autograd.grad(recomputed, leaves, grad_out, allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads))

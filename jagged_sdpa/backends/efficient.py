@@ -33,9 +33,11 @@ MASK_NONE, MASK_CAUSAL_TOP_LEFT, MASK_CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
 
 class EfficientState(NamedTuple):
+    """The dropout RNG state, and the kernel's own lse layout (the shape of an empty tensor)."""
+
     philox_seed: Tensor
     philox_offset: Tensor
-    lse_shape: tuple[int, ...]
+    lse_like: Tensor
 
 
 def alignment_elements(dtype: torch.dtype) -> int:
@@ -167,7 +169,7 @@ class EfficientBackend(BackendImpl):
             spec.dropout_p, mask, spec.return_lse, **kwargs,
         )
         out = out[0, :, :, :spec.head_dim_v]
-        state = EfficientState(seed, offset, tuple(lse.shape))
+        state = EfficientState(seed, offset, lse.new_empty(*lse.shape, 0))
         geom = cc.query_geometry(call) if (spec.return_lse or cc.rows_may_be_empty(spec)) else None
         empty = cc.empty_query_rows(geom, spec) if cc.rows_may_be_empty(spec) else None
         if empty is not None:
@@ -181,10 +183,15 @@ class EfficientBackend(BackendImpl):
         return AttnOutput(out, lse, state)
 
     @classmethod
-    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: EfficientState):
+    def fake_state(cls, call: PackedCall) -> tuple:
+        return cls.forward(call).state  # the aten op's own fake kernel gives the shapes
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):
         spec = call.spec
-        if state is None:
+        if not state:
             return cc.zero_grads(call)
+        state = EfficientState(*state)
         d, dv = _pad_widths(spec)
         max_q, max_k = cc.clamp_max_seqlens(spec)
         q, k, v = _prepare(call)
@@ -197,7 +204,7 @@ class EfficientBackend(BackendImpl):
             kwargs["window_size"] = window
         dq, dk, dv_, _ = torch.ops.aten._efficient_attention_backward(
             grad_p, q, k, v, None, out_p, call.cu_seqlens_q.contiguous(), call.cu_seqlens_k.contiguous(),
-            max_q, max_k, cc.lse_to_native(lse, state.lse_shape, geom), spec.dropout_p,
+            max_q, max_k, cc.lse_to_native(lse, tuple(state.lse_like.shape[:-1]), geom), spec.dropout_p,
             state.philox_seed, state.philox_offset, mask, False, **kwargs,
         )
         dq = dq[0, :, :, :spec.head_dim]

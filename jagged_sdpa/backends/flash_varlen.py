@@ -32,12 +32,12 @@ PAGED_BLOCK_MULTIPLE = 256  # flash_api.cpp: "Paged KV cache block size must be 
 
 
 class FlashState(NamedTuple):
-    """What the backward needs besides q/k/v/out/lse: the dropout RNG state and the windows passed."""
+    """What the backward needs besides q/k/v/out/lse: the dropout RNG state, and the op's own lse
+    layout (the shape of an empty tensor) to rebuild for its backward."""
 
     rng_state: Tensor
     unused: Tensor
-    window_kwargs: dict
-    lse_shape: tuple[int, ...]  # the op's own lse layout, rebuilt for its backward
+    lse_like: Tensor
 
 
 def padded_head_dim(spec: AttnSpec) -> int:
@@ -175,7 +175,7 @@ class FlashVarlenBackend(BackendImpl):
             **kwargs,
         )
         out = out[..., :spec.head_dim_v]
-        state = FlashState(rng_state, unused, window_kwargs, tuple(lse.shape))
+        state = FlashState(rng_state, unused, lse.new_empty(*lse.shape, 0))
         if not spec.return_lse:
             return AttnOutput(out, None, state)
         # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
@@ -184,25 +184,31 @@ class FlashVarlenBackend(BackendImpl):
         return AttnOutput(out, lse, state)
 
     @classmethod
-    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: FlashState):
+    def fake_state(cls, call: PackedCall) -> tuple:
+        return cls.forward(call).state  # the aten op's own fake kernel gives the shapes
+
+    @classmethod
+    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):
         spec = call.spec
-        if state is None or spec.total_k == 0:
+        if not state or spec.total_k == 0:
             return cc.zero_grads(call)
+        state = FlashState(*state)
         width = padded_head_dim(spec)
         q, k, v, cu_k = _prepare(call, width)
         max_q, max_k = _max_seqlens(spec)
         out_p = cc.kernel_ready(cc.pad_head_dim(out, width))
         grad_p = cc.kernel_ready(cc.pad_head_dim(grad_out, width))
+        lse_shape = tuple(state.lse_like.shape[:-1])
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_p, q, k, v, out_p, cc.lse_to_native(lse, state.lse_shape, _geometry_if_padded(call, state)),
+            grad_p, q, k, v, out_p, cc.lse_to_native(lse, lse_shape, _geometry_if_padded(call, lse_shape)),
             call.cu_seqlens_q.contiguous(), cu_k, max_q, max_k, spec.dropout_p, spec.causal,
-            state.rng_state, state.unused, scale=spec.scale, **state.window_kwargs,
+            state.rng_state, state.unused, scale=spec.scale, **_window_kwargs(spec, max_k),
         )
         return dq[..., :spec.head_dim], dk[..., :spec.head_dim], dv[..., :spec.head_dim_v]
 
 
-def _geometry_if_padded(call: PackedCall, state: FlashState):
-    return None if len(state.lse_shape) == 2 else cc.query_geometry(call)
+def _geometry_if_padded(call: PackedCall, lse_shape: tuple[int, ...]):
+    return None if len(lse_shape) == 2 else cc.query_geometry(call)
 
 
 def _availability() -> Optional[str]:

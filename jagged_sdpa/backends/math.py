@@ -1,6 +1,6 @@
 """MATH: plain torch ops, one sequence at a time; runs on every device and takes every call.
 
-Autograd differentiates it directly (no custom backward). Memory follows the work: each sequence
+Its backward is ``BackendImpl``'s default: the forward recomputed under autograd. Memory follows the work: each sequence
 materialises only its own (Hq, Lq, Lk) scores, never B x max_len^2. fp16/bf16 are computed in
 float32 and rounded once at the end. Rows that see no key give 0 and lse -inf, never NaN.
 """
@@ -106,7 +106,6 @@ class MathBackend(BackendImpl):
         paged=True,
         alibi_slopes_grad=True,  # autograd differentiates the bias -slope * |i' - j| like any op
     )
-    native_autograd = True
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:

@@ -24,15 +24,19 @@ from torch import Tensor
 from jagged_sdpa import layout
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, native, schedule
-from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 
-class _State(NamedTuple):
-    rng: Optional[Tensor]        # default generator state before the forward (dropout only)
-    lse_full: Optional[Tensor]   # float64 lse for float64 calls (the float32 one is too coarse)
-    clean: bool = True           # ``nan_free(q, k)``, found by the torch-op forward for its backward
+def _state(rng: Optional[Tensor], lse_full: Optional[Tensor], like: Tensor) -> tuple:
+    """(default generator state before the forward (dropout only), float64 lse of float64 calls
+    (the float32 one is too coarse)), empty tensors where absent: state crosses the operator as
+    tensors."""
+    return (like.new_empty(0) if rng is None else rng, like.new_empty(0) if lse_full is None else lse_full)
+
+
+def _unpack_state(state: tuple) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    return tuple(None if t.numel() == 0 else t for t in state) if state else (None, None)
 
 
 class _Seq(NamedTuple):
@@ -201,9 +205,14 @@ class CpuFusedBackend(BackendImpl):
     native_autograd = False
 
     @classmethod
-    def extra_reasons(cls, spec: AttnSpec) -> Iterator[Reason]:
-        if not spec.lengths_known:
-            yield "sequence lengths not read on the host (the CPU path plans per sequence)"
+    def fake_state(cls, call: PackedCall) -> tuple:
+        spec = unit_stride(call).spec
+        if native_forward_reason(_kernel_spec(spec)) is None:
+            return ()
+        rng = torch.empty(torch.get_rng_state().shape, dtype=torch.uint8) if spec.dropout_p and spec.needs_grad else None
+        lse_full = (call.q.new_empty(spec.heads_q, spec.total_q, dtype=torch.float64)
+                    if spec.dtype == torch.float64 and (spec.return_lse or spec.needs_grad) else None)
+        return _state(rng, lse_full, call.q)
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
@@ -242,7 +251,7 @@ class CpuFusedBackend(BackendImpl):
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
         if native_forward_reason(_kernel_spec(spec)) is None:
             native.forward(_kernel_call(call), out, lse)
-            return AttnOutput(out, lse if spec.return_lse else None, _State(None, None))
+            return AttnOutput(out, lse if spec.return_lse else None)
         lse_full = None
         if spec.dtype == torch.float64 and spec.return_lse:
             lse_full = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float64, device=q.device)
@@ -294,7 +303,7 @@ class CpuFusedBackend(BackendImpl):
         schedule.run(tasks, weights, ordered=bool(spec.dropout_p))
         if lse_full is not None:
             lse.copy_(lse_full)
-        return AttnOutput(out, lse if spec.return_lse else None, _State(rng, lse_full, clean))
+        return AttnOutput(out, lse if spec.return_lse else None, _state(rng, lse_full, q))
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
@@ -310,19 +319,19 @@ class CpuFusedBackend(BackendImpl):
             dk.flatten(0, 1).index_add_(0, rows, dk_packed)
             dv.flatten(0, 1).index_add_(0, rows, dv_packed)
             return dq, dk, dv
-        state = state if isinstance(state, _State) else _State(None, None, nan_free(call.q, call.k))
-        if state.lse_full is not None:
-            lse = state.lse_full
+        rng, lse_full = _unpack_state(state)
+        if lse_full is not None:
+            lse = lse_full
         generator = None
-        if state.rng is not None:
+        if rng is not None:
             generator = torch.Generator(device="cpu")
-            generator.set_state(state.rng)
+            generator.set_state(rng)
         dq = torch.zeros_like(call.q)
         dk = torch.zeros_like(call.k)
         dv = torch.zeros_like(call.v)
         dk_flat, dv_flat = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
         tasks, weights, parts = [], [], []
-        clean = state.clean
+        clean = nan_free(call.q, call.k)
         for seq in _sequences(call):
             rows = slice(seq.q_start, seq.q_start + seq.len_q)
             if seq.len_k == 0:

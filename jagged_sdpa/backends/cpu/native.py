@@ -214,8 +214,8 @@ def skip_reason(spec: AttnSpec) -> Optional[str]:
         return "dropout"
     if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
         return f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}"
-    if not spec.lengths_known or not spec.last_dim_contiguous or spec.device_type != "cpu":
-        return "lengths not on the host" if not spec.lengths_known else "last dim not contiguous"
+    if not spec.last_dim_contiguous or spec.device_type != "cpu":
+        return "last dim not contiguous" if spec.device_type == "cpu" else f"{spec.device_type} tensors"
     if library() is None:
         return f"unavailable: {_STATE.get('why') or 'disabled'}"
     return None

@@ -1,0 +1,234 @@
+"""The ``torch.library`` operators every attention call runs through: ``jagged_sdpa::attention``,
+``jagged_sdpa::attention_backward`` and ``jagged_sdpa::paged_append``.
+
+Why operators: ``torch.compile`` treats them as opaque nodes with fake (shape-only)
+implementations and a registered backward, so a model calling ``sdpa``/``varlen_attention``
+compiles without graph breaks, and the profiler shows them by name. The public functions are thin
+wrappers: they check shapes and options, build the tensor-free ``AttnSpec``, select a backend
+(at trace time under compile), and call the operator. What needs tensor *data* (reading
+cu_seqlens on the host, the device-side checks, the kernels) happens inside the operator, when it
+runs (``checks.contents``).
+
+The operator's arguments are the call's tensors, the chosen backend's name, the options that
+cannot be read off the tensors (one ``options`` string, a constant in a compiled graph) and the
+two max lengths (``SymInt``: under dynamic shapes they stay symbolic). The spec is rebuilt from
+them; an eager call hands its own ``PackedCall`` over instead (``_handover``: same tensors, so the
+same spec), which saves rebuilding it and reading lengths twice.
+
+A backend's ``state`` (what its backward needs beyond q/k/v/out/lse, e.g. a CUDA kernel's RNG
+state) crosses the operator as a list of tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa import layout, paging
+from jagged_sdpa.backends import IMPLS, Backend
+from jagged_sdpa.checks import contents
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+_LIB = torch.library.Library("jagged_sdpa", "DEF")
+
+_CALL_ARGS = ("Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, "
+              "Tensor? alibi_slopes, Tensor? dropout_key, str backend, str options, SymInt max_seqlen_q, "
+              "SymInt max_seqlen_k")
+_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor[])")
+_LIB.define(f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            f"Tensor[] state, {_CALL_ARGS}) -> Tensor[]")
+_LIB.define("paged_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seqused_k, "
+            "Tensor k_new, Tensor v_new, Tensor cu_seqlens_new) -> Tensor")
+
+# The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
+_OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
+                  "window", "softcap", "alibi_grad", "dropout_p", "scale", "needs_grad", "return_lse",
+                  "equal_lengths")
+
+
+def options_of(spec: AttnSpec) -> str:
+    """The ``options`` argument for ``spec``: a Python literal (floats round-trip exactly)."""
+    return repr(tuple(getattr(spec, f) for f in _OPTION_FIELDS))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_options(options: str) -> dict:
+    return dict(zip(_OPTION_FIELDS, ast.literal_eval(options)))
+
+
+def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k) -> AttnSpec:
+    """The spec of an operator call, from its tensors' metadata and ``options``."""
+    paged = block_table is not None
+    return AttnSpec(
+        device_type=q.device.type,
+        capability=_capability(q.device),
+        dtype=q.dtype,
+        batch=cu_seqlens_q.shape[0] - 1,
+        heads_q=q.shape[1],
+        heads_kv=k.shape[-2],
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        total_q=q.shape[0],
+        total_k=k.shape[0] * (k.shape[1] if paged else 1),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
+        last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
+        row_stride_align=layout.row_stride_align(q, k, v),
+        paged=paged,
+        block_size=k.shape[1] if paged else 0,
+        seqused_k=seqused_k is not None,
+        **_parse_options(options),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# eager handover: the wrapper's PackedCall, taken by the operator when its tensors are the same
+
+_handover = threading.local()
+
+
+def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
+             max_q, max_k) -> PackedCall:
+    call = getattr(_handover, "call", None)
+    if call is not None:
+        _handover.call = None
+        _handover.taken = call
+        if (call.q is q and call.k is k and call.v is v and call.cu_seqlens_q is cu_seqlens_q
+                and call.cu_seqlens_k is cu_seqlens_k and call.seqused_k is seqused_k
+                and call.block_table is block_table and call.alibi_slopes is alibi_slopes
+                and call.dropout_key is dropout_key):
+            return call
+    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k)
+    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
+                      dropout_key=dropout_key)
+    return contents.check(call)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention: forward
+
+
+def _lse_rows(spec: AttnSpec) -> int:
+    """The lse is returned when asked for or needed by the backward; else an empty (Hq, 0)."""
+    return spec.total_q if (spec.return_lse or spec.needs_grad) else 0
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
+               options, max_seqlen_q, max_seqlen_k):
+    call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
+                    options, max_seqlen_q, max_seqlen_k)
+    spec = call.spec
+    impl = IMPLS[Backend(backend)]
+    if spec.needs_grad:
+        call = call.replace(spec=spec.replace(return_lse=True))
+    with torch.no_grad():
+        result = impl.forward(call)
+    lse = result.lse
+    if lse is None:
+        lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=q.device)
+    return result.out, lse, list(result.state or ())
+
+
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
+                    backend, options, max_seqlen_q, max_seqlen_k):
+    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_seqlen_q,
+                          max_seqlen_k)
+    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
+                      dropout_key=dropout_key)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    lse = q.new_empty(q.shape[1], _lse_rows(spec), dtype=torch.float32)
+    return out, lse, list(IMPLS[Backend(backend)].fake_state(call))
+
+
+_LIB.impl("attention", _attention, "CompositeExplicitAutograd")
+torch.library.register_fake("jagged_sdpa::attention", _attention_fake, lib=_LIB)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention: backward
+
+
+def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                        alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
+    call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
+                    options, max_seqlen_q, max_seqlen_k)
+    impl = IMPLS[Backend(backend)]
+    grads = impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
+    return list(grads)
+
+
+def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                             block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
+    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    if _parse_options(options)["alibi_grad"]:
+        grads.append(torch.empty_like(alibi_slopes))
+    return grads
+
+
+_LIB.impl("attention_backward", _attention_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backward_fake, lib=_LIB)
+
+_TENSOR_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes",
+                "dropout_key")
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse, state = output
+    ctx.save_for_backward(*inputs[:9], out, lse, *state)
+    ctx.scalars = inputs[9:]
+    ctx.mark_non_differentiable(lse)
+    # Eager: the forward's checked call (host lengths included) is handed to the backward too.
+    ctx.call = getattr(_handover, "taken", None)
+    _handover.taken = None
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_state):
+    q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, out, lse, *state = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    _handover.call = ctx.call
+    grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, seqused_k,
+                                                     block_table, slopes, dropout_key, *ctx.scalars)
+    dslopes = grads[3] if len(grads) > 3 else None
+    return grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None
+
+
+torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+def run(backend: Backend, call: PackedCall) -> AttnOutput:
+    """Run ``call`` on ``backend`` through the operator: (out, lse or None)."""
+    spec = call.spec
+    _handover.call = None if torch.compiler.is_compiling() else call
+    try:
+        out, lse, _ = torch.ops.jagged_sdpa.attention(
+            call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
+            call.alibi_slopes, call.dropout_key, backend.value, options_of(spec), spec.max_seqlen_q,
+            spec.max_seqlen_k)
+    finally:
+        _handover.call = None
+    return AttnOutput(out, lse if spec.return_lse else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# paged_append
+
+
+def _paged_append_fake(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new):
+    return torch.empty_like(seqused_k)
+
+
+_LIB.impl("paged_append", paging.append_checked, "CompositeExplicitAutograd")
+torch.library.register_fake("jagged_sdpa::paged_append", _paged_append_fake, lib=_LIB)

@@ -268,7 +268,7 @@ def row_stride_align(*tensors: Tensor) -> int:
     traced = torch.compiler.is_compiling()
     for t in tensors:
         size = t.element_size()
-        if not traced and t.device.type != "meta" and not is_fake(t):
+        if not traced and t.device.type != "meta" and (type(t) is Tensor or not is_fake(t)):
             acc |= t.data_ptr()
         for s in t.stride()[:-1]:
             acc |= s * size

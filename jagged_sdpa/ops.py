@@ -211,12 +211,17 @@ torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_conte
 def run(backend: Backend, call: PackedCall) -> AttnOutput:
     """Run ``call`` on ``backend`` through the operator: (out, lse or None)."""
     spec = call.spec
-    _handover.call = None if torch.compiler.is_compiling() else call
-    try:
-        out, lse, _ = torch.ops.jagged_sdpa.attention(
-            call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
+    compiling = torch.compiler.is_compiling()
+    _handover.call = None if compiling else call
+    args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
             call.alibi_slopes, call.dropout_key, backend.value, options_of(spec), spec.max_seqlen_q,
             spec.max_seqlen_k)
+    try:
+        if spec.needs_grad or compiling:
+            out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
+        else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse, _ = torch.ops.jagged_sdpa.attention.default(*args)
     finally:
         _handover.call = None
     return AttnOutput(out, lse if spec.return_lse else None)

@@ -56,11 +56,15 @@ def use_backends(*backends: Union[Backend, str]) -> Iterator[tuple[Backend, ...]
         _ORDER.reset(token)
 
 
-@torch.compiler.assume_constant_result
 def current_order() -> tuple[Backend, ...]:
     """The order in force. Inside ``torch.compile`` it is read when the function is traced, and the
     compiled code keeps it (Dynamo cannot trace a ContextVar): enter ``use_backends`` before the
-    first call of a compiled function, or inside it."""
+    first call of a compiled function."""
+    return _traced_order() if torch.compiler.is_compiling() else (_ORDER.get() or DEFAULT_ORDER)
+
+
+@torch.compiler.assume_constant_result
+def _traced_order() -> tuple[Backend, ...]:
     return _ORDER.get() or DEFAULT_ORDER
 
 

@@ -135,7 +135,7 @@ class FlashVarlenBackend(BackendImpl):
                 yield f"dropout_p {spec.dropout_p:g} with a paged kv cache - flash's split-kv kernel has no dropout"
         if (why := _training_head_dim_reason(spec)) is not None:
             yield why
-        # Training forces the lse on (``_autograd``), which can make the forward pass a window.
+        # Training forces the lse on (``ops._attention``), which can make the forward pass a window.
         windowed = bool(_window_kwargs(spec.replace(return_lse=spec.return_lse or spec.needs_grad), 1))
         needed = (
             (windowed, FORWARD_OP, "window_size_left", "window_size"),

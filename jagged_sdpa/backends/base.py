@@ -1,7 +1,8 @@
 """``Backend`` enum and ``BackendImpl``, the base every backend implementation derives from.
 
 A backend declares ``caps`` once, adds the rules that cannot be declared in ``extra_reasons``,
-and implements ``forward`` (and ``backward`` unless torch autograd differentiates its forward).
+and implements ``forward`` and ``backward`` (``_autograd`` calls them; no backend relies on torch
+autograd through its forward, whose saved intermediates would grow with the whole call).
 Backends never validate user input: ``checks.inputs`` already did.
 """
 
@@ -38,8 +39,6 @@ class Backend(str, enum.Enum):
 class BackendImpl:
     backend: ClassVar[Backend]
     caps: ClassVar[Capabilities]
-    # True when ``forward`` is built from differentiable torch ops, so autograd needs no help.
-    native_autograd: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> Optional[Reason]:
@@ -68,6 +67,9 @@ class BackendImpl:
     @classmethod
     def backward(
         cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients (dq, dk, dv) in the shapes of call.q/k/v; lse is the forward's float32 lse."""
+    ) -> tuple[Tensor, ...]:
+        """Gradients (dq, dk, dv) in the shapes and dtypes of call.q/k/v (dk/dv cache-shaped when
+        paged), then dslopes in the shape of call.alibi_slopes when ``spec.alibi_grad`` (only
+        backends whose caps allow ``alibi_slopes_grad`` see such calls): (dq, dk, dv, dslopes).
+        out, lse (float32) and state are the forward's; grad_out is contiguous."""
         raise NotImplementedError

@@ -8,7 +8,7 @@ Without a GPU three things are still checked:
   convention of each backward, the RNG state handed back) and answer with the float64 reference,
   including the kernels' quirks (flash's causal ALiBi lse, NaN rows and uninitialised gradient
   rows of the efficient kernel), so our conversions are what gets tested;
-- the forward/backward glue through ``_autograd.run``.
+- the forward/backward glue through ``ops.run`` (the operators).
 ``@pytest.mark.cuda`` tests run both backends against the reference on a GPU, fp16/bf16 (and
 fp32 for EFFICIENT), forward and backward, every option they claim.
 """

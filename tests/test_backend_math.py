@@ -1,9 +1,8 @@
-"""MATH specifics: memory follows the work (never B x max_len^2), and it takes every call."""
+"""MATH specifics: memory follows the work (never B x max_len^2), and it takes every call.
+
+Its blocked forward and backward are tested in test_math_blocked.py."""
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 import jagged_sdpa
 from jagged_sdpa.backends import math as math_backend
@@ -11,15 +10,15 @@ from cases import cu_of, packed
 
 
 def test_scores_are_per_sequence_never_padded(monkeypatch):
-    """One long sequence among many short ones: each score matrix is that sequence's own size."""
+    """One long sequence among many short ones: each score block is that sequence's own size."""
     seen = []
-    original = math_backend.attend_one
+    original = math_backend.attend_block
 
-    def recording(q, k, v, spec, slopes=None):
+    def recording(spec, q, k, v, *args, **kwargs):
         seen.append((q.shape[0], k.shape[0]))
-        return original(q, k, v, spec, slopes)
+        return original(spec, q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(math_backend, "attend_one", recording)
+    monkeypatch.setattr(math_backend, "attend_block", recording)
     lengths = [512] + [3] * 100
     q = packed(lengths, 1, 8)
     jagged_sdpa.varlen_attention(q, q, q, cu_of(lengths), cu_of(lengths), causal=True, backend="math")

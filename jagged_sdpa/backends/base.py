@@ -1,9 +1,10 @@
 """``Backend`` enum and ``BackendImpl``, the base every backend implementation derives from.
 
 A backend declares ``caps`` once, adds the rules that cannot be declared in ``extra_reasons``,
-and implements ``forward`` and, for speed, ``backward`` (the default recomputes the forward under
-autograd). Both run inside the ``jagged_sdpa::attention`` operators (``ops.py``), with tensor
-contents already checked. Backends never validate user input: ``checks.inputs`` already did.
+and implements ``forward`` and ``backward``; both run inside the ``jagged_sdpa::attention``
+operators (``ops.py``), with tensor contents already checked. No backend relies on torch autograd
+through its forward, whose saved intermediates would grow with the whole call. Backends never
+validate user input: ``checks.inputs`` already did.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Backend(str, enum.Enum):
 class BackendImpl:
     backend: ClassVar[Backend]
     caps: ClassVar[Capabilities]
+
     @classmethod
     def is_available(cls) -> Optional[Reason]:
         """Cheap and cached: can this backend run at all in this process? None when it can."""
@@ -71,17 +73,11 @@ class BackendImpl:
         return ()
 
     @classmethod
-    def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple) -> tuple:
-        """Gradients (dq, dk, dv), plus dslopes when ``spec.alibi_grad``, in the shapes of
-        call.q/k/v/alibi_slopes; lse is the forward's float32 lse.
-
-        This default recomputes ``forward`` under autograd, for a forward made of differentiable
-        torch ops; a backend with kernels of its own overrides it."""
-        wrt = [call.q, call.k, call.v] + ([call.alibi_slopes] if call.spec.alibi_grad else [])
-        leaves = [t.detach().requires_grad_() for t in wrt]
-        again = call.replace(q=leaves[0], k=leaves[1], v=leaves[2], spec=call.spec.replace(return_lse=False),
-                             **({"alibi_slopes": leaves[3]} if call.spec.alibi_grad else {}))
-        with torch.enable_grad():
-            recomputed = cls.forward(again).out
-            grads = torch.autograd.grad(recomputed, leaves, grad_out, allow_unused=True)
-        return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads))
+    def backward(
+        cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple
+    ) -> tuple[Tensor, ...]:
+        """Gradients (dq, dk, dv) in the shapes and dtypes of call.q/k/v (dk/dv cache-shaped when
+        paged), then dslopes in the shape of call.alibi_slopes when ``spec.alibi_grad`` (only
+        backends whose caps allow ``alibi_slopes_grad`` see such calls): (dq, dk, dv, dslopes).
+        out, lse (float32) and state are the forward's; grad_out is contiguous."""
+        raise NotImplementedError

@@ -18,6 +18,19 @@ def shift_of(spec: AttnSpec, len_q: int, len_k: int) -> int:
     return len_k - len_q if spec.alignment == "bottom_right" else 0
 
 
+def visible_keys(spec: AttnSpec, pos: int, len_k: int) -> tuple[int, int]:
+    """Keys [lo, hi) a query row at aligned position ``pos`` sees (hi <= lo: it sees none).
+    Both ends grow with pos, so rows [r0, r1) together see [lo(r0), hi(r1 - 1))."""
+    left, right = spec.window
+    lo = max(0, pos - left) if left >= 0 else 0
+    hi = len_k
+    if right >= 0:
+        hi = min(hi, pos + right + 1)
+    if spec.causal:
+        hi = min(hi, pos + 1)
+    return max(0, min(lo, len_k)), max(0, hi)
+
+
 def aligned_positions(row_lo: int, row_hi: int, key_lo: int, key_hi: int, shift: int, device):
     """Aligned query positions (rows, 1) and key positions (1, keys)."""
     pos = torch.arange(row_lo + shift, row_hi + shift, device=device).unsqueeze(1)

@@ -7,9 +7,9 @@ sequence it picks one torch-op engine: the fused flash kernel (``fused.py``: fp3
 blocked matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the
 fused kernel cannot take); both walk a sequence in blocks of query rows that see only their
 visible keys. Without grad, one-query rows take the decode engine (``decode.py``) and short
-sequences are padded into groups (``grouped.py``). Their backward is our own too:
-the fused kernel's backward, or the blocked recomputation, per
-sequence; ``state`` carries the dropout RNG state and, for float64, the lse at full precision.
+sequences are padded into groups (``grouped.py``). Their backward is our own too: the fused
+kernel's backward, or the blocked recomputation, per sequence; ``state`` carries the dropout RNG
+state and, for float64, the lse at full precision.
 Both directions first copy q/k/v (and out, grad_out) whose last dim is strided (``unit_stride``).
 """
 

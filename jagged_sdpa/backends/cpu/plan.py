@@ -37,15 +37,7 @@ class Block:
 
 def _row_bounds(spec: AttnSpec, shift: int, len_k: int, i: int) -> tuple[int, int]:
     """Visible keys [lo, hi) of query row i (hi <= lo: the row sees no key)."""
-    pos = i + shift
-    left, right = spec.window
-    lo = max(0, pos - left) if left >= 0 else 0
-    hi = len_k
-    if right >= 0:
-        hi = min(hi, pos + right + 1)
-    if spec.causal:
-        hi = min(hi, pos + 1)
-    return max(0, min(lo, len_k)), max(0, hi)
+    return positions.visible_keys(spec, i + shift, len_k)
 
 
 shift_of = positions.shift_of

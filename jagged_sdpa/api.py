@@ -13,7 +13,7 @@ from torch import Tensor
 
 from jagged_sdpa import layout
 from jagged_sdpa._autograd import run
-from jagged_sdpa.backends import IMPLS, Backend
+from jagged_sdpa.backends import IMPLS, Backend, keyed_dropout
 from jagged_sdpa.checks import inputs
 from jagged_sdpa.checks.device import DeviceChecks
 from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
@@ -231,10 +231,17 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
+    call = _with_dropout_key(call)
     chosen = choose(call.spec, forced, notes)
     out = _dropped(run(IMPLS[chosen], call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+
+
+def _with_dropout_key(call: PackedCall) -> PackedCall:
+    """The call with its dropout key (``keyed_dropout.draw_key``) when it runs with dropout. Drawn
+    here, by the calls that run, so that ``explain`` leaves the default generator untouched."""
+    return call.replace(dropout_key=keyed_dropout.draw_key()) if call.spec.dropout_p else call
 
 
 def _dropped(out: Tensor, dropout_p) -> Tensor:
@@ -378,6 +385,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
+    call = _with_dropout_key(call)
     chosen = choose(call.spec, forced, notes)
     result = run(IMPLS[chosen], call)
     out = _dropped(result.out, dropout_p)

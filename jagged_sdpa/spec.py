@@ -104,7 +104,8 @@ class PackedCall:
     v: likewise with Dv. cu_seqlens_*: int32 (B + 1,) on q's device (cu_seqlens_k is None when
     paged). seqused_k: int32 (B,) or None. block_table: int32 (B, max_blocks) or None.
     *_host: the same lengths read once on the host by ``layout.seqlen_stats`` (None when the call
-    was made without a host read, see ``AttnSpec.lengths_known``).
+    was made without a host read, see ``AttnSpec.lengths_known``). dropout_key: int64 CPU (2,)
+    [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
     """
 
     q: Tensor
@@ -119,6 +120,7 @@ class PackedCall:
     cu_q_host: Optional[tuple[int, ...]] = None
     cu_k_host: Optional[tuple[int, ...]] = None
     seqused_k_host: Optional[tuple[int, ...]] = None
+    dropout_key: Optional[Tensor] = None
 
     def replace(self, **changes) -> "PackedCall":
         return dataclasses.replace(self, **changes)

@@ -354,10 +354,10 @@ def test_split_k_merge_with_every_option(pack_gqa):
     assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
     assert_close_lse(lse, ref_lse)
 
-    # Dropout draws from (key, row, head) counters, so splitting the keys keeps the mask.
-    dropped = call.replace(spec=call.spec.replace(dropout_p=0.4))
-    whole = launch_fwd(dropped, rng=(11, 5))
-    split = launch_fwd(dropped, num_splits=3, pack_gqa=pack_gqa, rng=(11, 5))
+    # Dropout draws from (key, row, head, sequence) counters, so splitting the keys keeps the mask.
+    dropped = call.replace(spec=call.spec.replace(dropout_p=0.4), dropout_key=torch.tensor([11, 3_000_000_005]))
+    whole = launch_fwd(dropped)
+    split = launch_fwd(dropped, num_splits=3, pack_gqa=pack_gqa)
     out_split, lse_split = merge_splits(split.out, split.lse, q.dtype)
     torch.testing.assert_close(out_split, whole.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_split, whole.lse, atol=1e-5, rtol=1e-5)

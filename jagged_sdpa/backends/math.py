@@ -8,11 +8,10 @@ float32 and rounded once at the end. Rows that see no key give 0 and lse -inf, n
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
-from jagged_sdpa.backends import positions
+from jagged_sdpa.backends import keyed_dropout, positions
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
@@ -36,10 +35,13 @@ def position_bias_and_mask(spec: AttnSpec, len_q: int, len_k: int, device, slope
     return keep, bias
 
 
-def attend_one(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, slopes=None):
+def attend_one(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, slopes=None, dropout_key=None, b: int = 0,
+               rows=None):
     """One sequence: q (Lq, Hq, D), k (Lk, Hkv, D), v (Lk, Hkv, Dv) -> out (Lq, Hq, Dv), lse (Hq, Lq).
 
-    GQA by broadcasting query groups against their kv head (no expanded K/V).
+    GQA by broadcasting query groups against their kv head (no expanded K/V). Dropout keeps what
+    ``keyed_dropout`` keeps for sequence b, whose rows are at in-sequence positions ``rows``
+    (default 0..Lq-1).
     """
     len_q, len_k = q.shape[0], k.shape[0]
     hkv, group = spec.heads_kv, spec.gqa_group
@@ -68,7 +70,8 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, slopes=None):
         lse = (row_max + torch.log(denom)).squeeze(-1).reshape(spec.heads_q, len_q).float()
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     if spec.dropout_p:
-        p = F.dropout(p, spec.dropout_p, training=True)
+        rows = torch.arange(len_q, device=q.device) if rows is None else rows
+        p = keyed_dropout.dropped(p, dropout_key, b, rows, spec.dropout_p)
     out = torch.matmul(p, vh)                                     # (Hkv, G, Lq, Dv)
     out = out.permute(2, 0, 1, 3).reshape(len_q, spec.heads_q, -1)
     return out.to(q.dtype), lse
@@ -117,7 +120,8 @@ class MathBackend(BackendImpl):
         ):
             if len_q == 0:
                 continue
-            out_b, lse_b = attend_one(call.q[q_start:q_start + len_q], k_b, v_b, spec, call.slopes_of(b))
+            out_b, lse_b = attend_one(call.q[q_start:q_start + len_q], k_b, v_b, spec, call.slopes_of(b),
+                                      call.dropout_key, b)
             outs.append(out_b)
             lses.append(lse_b)
         if not outs:

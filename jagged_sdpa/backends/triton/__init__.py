@@ -116,15 +116,14 @@ class TritonBackend(BackendImpl):
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
-        rng = fwd.dropout_seed(call.spec)
         splits = plans.plan_splits(call.spec)
-        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec), rng=rng)
+        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec))
         if splits > 1:
             out, lse = plans.merge_splits(result.out, result.lse, call.q.dtype)
-            return AttnOutput(out, lse, rng)
+            return AttnOutput(out, lse)
         return result
 
     @classmethod
     def backward(cls, call: PackedCall, out, lse, grad_out, state):
         _, bwd = _kernels()
-        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec), rng=state)
+        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec))

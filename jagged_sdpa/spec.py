@@ -137,6 +137,8 @@ class PackedCall:
         if cu is None:
             cu = tuple(self.cu_seqlens_k.tolist())
         used = self.seqused_k_host
+        if used is None and self.seqused_k is not None:   # a call made without a host read
+            used = tuple(self.seqused_k.tolist())
         return [(cu[b], cu[b + 1] - cu[b] if used is None else used[b]) for b in range(len(cu) - 1)]
 
     def query_ranges_host(self) -> list[tuple[int, int]]:

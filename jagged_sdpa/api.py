@@ -13,7 +13,7 @@ from torch import Tensor
 
 from jagged_sdpa import layout
 from jagged_sdpa import ops
-from jagged_sdpa.backends import Backend
+from jagged_sdpa.backends import Backend, keyed_dropout
 from jagged_sdpa.checks import inputs
 from jagged_sdpa.checks import contents
 from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
@@ -51,12 +51,6 @@ def _host_read(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[i
                          f"data: pass {' and '.join(missing)} (ints)" + (
                              " (NJTs built by torch.nested carry it)" if "cached" in missing[0] else ""))
     return False
-
-
-def _dropout_key(spec: AttnSpec) -> Optional[Tensor]:
-    """The (seed, offset) key of a call's dropout masks (``keyed_dropout``), drawn here so that a
-    compiled graph draws it too, and forward and backward share it."""
-    return None  # keyed dropout lands with issue 14
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -169,8 +163,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
-                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None,
-                      dropout_key=_dropout_key(spec))
+                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
     return call, forced, tuple(notes)
 
 
@@ -256,10 +249,17 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
+    call = _with_dropout_key(call)
     chosen = choose(call.spec, forced, notes)
     out = _dropped(ops.run(chosen, call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
+
+
+def _with_dropout_key(call: PackedCall) -> PackedCall:
+    """The call with its dropout key (``keyed_dropout.draw_key``) when it runs with dropout. Drawn
+    here, by the calls that run, so that ``explain`` leaves the default generator untouched."""
+    return call.replace(dropout_key=keyed_dropout.draw_key()) if call.spec.dropout_p else call
 
 
 def _dropped(out: Tensor, dropout_p) -> Tensor:
@@ -335,8 +335,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host,
-                      dropout_key=_dropout_key(spec))
+                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
     return call, forced, notes
 
 
@@ -375,6 +374,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
+    call = _with_dropout_key(call)
     chosen = choose(call.spec, forced, notes)
     result = ops.run(chosen, call)
     out = _dropped(result.out, dropout_p)

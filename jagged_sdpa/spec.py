@@ -104,7 +104,8 @@ class PackedCall:
     v: likewise with Dv. cu_seqlens_*: int32 (B + 1,) on q's device (cu_seqlens_k is None when
     paged). seqused_k: int32 (B,) or None. block_table: int32 (B, max_blocks) or None.
     *_host: the same lengths read once on the host by ``layout.seqlen_stats`` (None when the call
-    was made without a host read, see ``AttnSpec.lengths_known``).
+    was made without a host read, see ``AttnSpec.lengths_known``). dropout_key: int64 CPU (2,)
+    [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
     """
 
     q: Tensor
@@ -136,7 +137,7 @@ class PackedCall:
         if cu is None:
             cu = tuple(self.cu_seqlens_k.tolist())
         used = self.seqused_k_host
-        if used is None and self.seqused_k is not None:
+        if used is None and self.seqused_k is not None:   # a call made without a host read
             used = tuple(self.seqused_k.tolist())
         return [(cu[b], cu[b + 1] - cu[b] if used is None else used[b]) for b in range(len(cu) - 1)]
 

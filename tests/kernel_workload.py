@@ -137,6 +137,12 @@ CASES = {
     "backward_softcap": _backward_case([70, 2, 10], [70, 90, 2], 2, 1, 16, 16, softcap=3.0, window_size=(0, 0)),
     "paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True, window_size=(30, 0)),
     "paged_odd_blocks": _paged_case([3, 1, 1], [5, 1, 33], 5, 2, 2, 8, softcap=2.0),
+    "dropout_tiles_and_decode_rows": _varlen_case([70, 1, 0, 2, 130], [130, 300, 5, 0, 65], 4, 2, 33, 20,
+                                                  alibi="per_head", causal=True, window_size=(90, 3),
+                                                  dropout_p=0.3),
+    "dropout_backward": _backward_case([130, 0, 1, 67, 3], [130, 5, 70, 0, 2], 4, 2, 40, 24, causal=True,
+                                       softcap=3.0, dropout_p=0.2),
+    "dropout_paged": _paged_case([9, 1, 70], [40, 77, 70], 16, 4, 2, 24, causal=True, dropout_p=0.5),
 }
 
 
@@ -161,7 +167,8 @@ def _same(a, b):
 def run(place, *, backends=("cpu_fused", "math"), cases=None, dtypes=DTYPES, splits=("shipped", "small")) -> None:
     """Runs every case with its inputs passed through ``place`` (a tensor -> tensor copy), and
     checks that the compiled kernel's results equal the same call on the unplaced inputs bit for
-    bit (under every work split) and match MATH's loosely (NaN where MATH has NaN)."""
+    bit (under every work split) and match MATH's loosely (NaN where MATH has NaN). Every call
+    starts from the same seed: dropout cases draw the same key, so the same mask, each time."""
     assert native.library() is not None, native.unavailable_reason()
     for name in cases or CASES:
         build, call = CASES[name]
@@ -171,13 +178,16 @@ def run(place, *, backends=("cpu_fused", "math"), cases=None, dtypes=DTYPES, spl
             want = None
             if "math" in backends:
                 print(f"case {name} {str(dtype)[6:]} math", flush=True)
+                torch.manual_seed(1)
                 want = call(placed, "math")
             if "cpu_fused" not in backends:
                 continue
             for split in splits:
                 print(f"case {name} {str(dtype)[6:]} cpu_fused split={split}", flush=True)
                 with work_split(*SPLITS[split]):
+                    torch.manual_seed(1)
                     got = call(placed, "cpu_fused")
+                    torch.manual_seed(1)
                     plain = call(inputs, "cpu_fused")
                 for key in got:
                     assert _same(got[key], plain[key]), f"{name} {dtype}: placed {key} differs from plain"

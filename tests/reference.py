@@ -30,8 +30,13 @@ def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
 
 
 def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignment="top_left",
-                        window=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None):
+                        window=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, dropout_p=0.0,
+                        dropout_keep=None):
     """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_* lists or int tensors.
+
+    Dropout: ``dropout_keep(b, len_q, len_k)`` gives sequence b's bool keep mask (Hq, Lq, Lk) (the
+    tests pass the keyed mask, so a dropout call is compared exactly); kept probabilities are
+    multiplied by 1 / (1 - dropout_p) before the product with V. The lse does not see dropout.
 
     Returns (out float64 (total_q, Hq, Dv), lse float64 (Hq, total_q)).
     """
@@ -50,6 +55,7 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
         if len_q == 0:
             continue
         keep = keep_mask(len_q, len_k, causal=causal, alignment=alignment, window=window, device=q.device)
+        dropped = dropout_keep(b, len_q, len_k).to(q.device) if dropout_p else None
         shift = len_k - len_q if alignment == "bottom_right" else 0
         for h in range(hq):
             kh = h // group
@@ -72,6 +78,9 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
                 m = row.max()
                 p = torch.exp(row - m)
                 total = p.sum()
-                out[qs + i, h] = (p / total) @ vb
+                prob = p / total
+                if dropped is not None:
+                    prob = prob * dropped[h, i].double() / (1.0 - dropout_p)
+                out[qs + i, h] = prob @ vb
                 lse[h, qs + i] = m + torch.log(total)
     return out, lse

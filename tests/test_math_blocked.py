@@ -214,50 +214,6 @@ def test_empty_batch_gives_zero_gradients():
         assert torch.equal(t.grad, torch.zeros_like(t))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_dropout_backward_replays_every_blocks_mask(monkeypatch, rows):
-    """With v = I, out is each row's dropped probabilities: that recovers the masks the forward
-    drew. The same seed with a real v must then give the reference of those very masks, and so
-    must every gradient (the backward redraws the masks block by block)."""
-    lens_q, lens_k = [5, 0, 7], [6, 2, 7]
-    total_k = sum(lens_k)
-    q = torch.randn(sum(lens_q), 2, 4, requires_grad=True)
-    k = torch.randn(total_k, 1, 4, requires_grad=True)
-    v = torch.randn(total_k, 1, 3, requires_grad=True)
-    cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
-    rate = 0.4
-    eye = torch.eye(total_k).unsqueeze(1)
-    call = packed_call(q, k, eye, cu_q, cu_k, causal=True, dropout_p=rate)
-    set_rows(monkeypatch, call.spec, rows, 7)
-    torch.manual_seed(11)
-    probs = run_math(call)[0].detach()                  # (total_q, Hq, total_k): dropped P
-    torch.manual_seed(11)
-    out = run_math(packed_call(q, k, v, cu_q, cu_k, causal=True, dropout_p=rate))[0]
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-
-    # The reference with those masks, in float64.
-    keep = probs != 0
-    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    outs = []
-    for b in range(len(lens_q)):
-        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        lq, lk = lens_q[b], lens_k[b]
-        s = torch.einsum("ihd,jd->hij", q64[qs], k64[ks, 0]) / 2.0
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
-        drop = keep[qs][:, :, ks].permute(1, 0, 2)
-        dropped = (~drop & (p > 0)).sum() / (p > 0).sum()
-        assert lq == 0 or 0.2 < dropped < 0.6, f"sequence {b}: {dropped:.0%} of its probabilities dropped"
-        outs.append(torch.einsum("hij,jd->ihd", p * drop / (1 - rate), v64[ks, 0]))
-    ref_out = torch.cat(outs)
-    ref_out.backward(grad_out.double())
-    assert_close_packed(out, ref_out, cu_seqlens=cu_q)
-    for label, got, want, cu in (("dq", q.grad, q64.grad, cu_q), ("dk", k.grad, k64.grad, cu_k),
-                                 ("dv", v.grad, v64.grad, cu_k)):
-        assert_close_packed(got, want, cu_seqlens=cu, name=label, grad=True)
-
-
 @pytest.mark.parametrize("window,causal", [((-1, -1), False), ((-1, -1), True), ((40, 0), True), ((16, 16), False)])
 def test_blocks_respect_the_budget(monkeypatch, window, causal):
     """Every block's scores fit the budget (or the block is one row), rows are covered once,

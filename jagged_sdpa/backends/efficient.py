@@ -101,6 +101,7 @@ class EfficientBackend(BackendImpl):
             "top-left and bottom-right causal; windows only as causal + left window",
             "GQA by expanding K/V (costs Hq/Hkv x K/V memory)",
             "head dims padded to 16 bytes; seqused_k forward only",
+            "dropout masks from PyTorch's CUDA generator, not the keyed masks math/cpu_fused/triton share",
         ),
     )
 

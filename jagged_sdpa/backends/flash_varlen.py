@@ -108,6 +108,7 @@ class FlashVarlenBackend(BackendImpl):
             "bottom-right causal/window; top-left only when every Lq == Lk",
             "head dims padded to a multiple of 8; Dv != D padded to one width",
             "seqused_k and paged KV (block size % 256 == 0) forward only",
+            "dropout masks from PyTorch's CUDA generator, not the keyed masks math/cpu_fused/triton share",
         ),
     )
 

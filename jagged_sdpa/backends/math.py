@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
-from jagged_sdpa.backends import positions
+from jagged_sdpa.backends import keyed_dropout, positions
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
@@ -80,14 +80,8 @@ def blocks(spec: AttnSpec, len_q: int, len_k: int) -> Iterator[Block]:
             yield Block(r0, r1, lo, hi)
 
 
-def dropout(p: Tensor, rate: float, generator: Optional[torch.Generator]) -> Tensor:
-    """Probabilities with dropout, the mask drawn from ``generator`` (None: the default one)."""
-    keep = torch.rand(p.shape, generator=generator, device=p.device) >= rate
-    return p * keep / (1.0 - rate)
-
-
 def attend_block(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes: Optional[Tensor], shift: int,
-                 block: Block, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+                 block: Block, dropout_key: Optional[Tensor] = None, b: int = 0) -> tuple[Tensor, Tensor]:
     """One block: q (rows, Hq, D) against its keys k (keys, Hkv, D), v (keys, Hkv, Dv) ->
     out (rows, Hq, Dv) in q's dtype, lse (Hq, rows) in the compute dtype.
 
@@ -119,7 +113,8 @@ def attend_block(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes: Option
         lse = (row_max + torch.log(denom)).reshape(spec.heads_q, rows)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     if spec.dropout_p:
-        p = dropout(p, spec.dropout_p, generator)
+        rows_at = torch.arange(block.r0, block.r1, device=q.device)  # in-sequence positions: keyed_dropout
+        p = keyed_dropout.dropped(p, dropout_key, b, rows_at, spec.dropout_p, j_start=block.lo)
     out = torch.matmul(p, vh)                                     # (Hkv, G, rows, Dv)
     return out.permute(2, 0, 1, 3).reshape(rows, spec.heads_q, -1).to(q.dtype), lse
 
@@ -167,13 +162,6 @@ def sequences(call: PackedCall) -> Iterator[Sequence]:
             yield Sequence(b, q_start, len_q, call.k[keys], call.v[keys], keys)
 
 
-def _rng_state(device: torch.device) -> Tensor:
-    """The default generator's state on ``device``: the backward replays the dropout draws from it."""
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    return torch.get_device_module(device.type).get_rng_state(device)
-
-
 def _add_rows(acc: Tensor, rows: KeyRows, x: Tensor) -> None:
     """acc[rows] += x; index_add_ for cache slots, which sums rows that repeat, in order."""
     if isinstance(rows, slice):
@@ -198,16 +186,14 @@ class MathBackend(BackendImpl):
         q = call.q
         out = q.new_zeros(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.full((spec.heads_q, spec.total_q), float("-inf"), dtype=torch.float32, device=q.device)
-        # Taken before the first mask is drawn: the backward replays every block's mask in order.
-        state = (_rng_state(q.device),) if spec.dropout_p and spec.needs_grad else ()
         for seq in sequences(call):
             shift = positions.shift_of(spec, seq.len_q, seq.k.shape[0])
             for block in blocks(spec, seq.len_q, seq.k.shape[0]):
                 rows = slice(seq.q_start + block.r0, seq.q_start + block.r1)
                 out[rows], lse[:, rows] = attend_block(
                     spec, q[rows], seq.k[block.lo:block.hi], seq.v[block.lo:block.hi], call.slopes_of(seq.b),
-                    shift, block)
-        return AttnOutput(out, lse if spec.return_lse else None, state)
+                    shift, block, call.dropout_key, seq.b)
+        return AttnOutput(out, lse if spec.return_lse else None)
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
@@ -215,10 +201,6 @@ class MathBackend(BackendImpl):
         spec = call.spec
         ct = compute_dtype(spec.dtype)
         device = call.q.device
-        generator = None
-        if state:  # the default generator's state before the forward's first mask
-            generator = torch.Generator(device=device)
-            generator.set_state(state[0])
         dq = torch.zeros_like(call.q)
         # dK/dV in the compute dtype, rounded once at the end; cache-shaped when paged.
         dk = torch.zeros(call.k.shape, dtype=ct, device=device)
@@ -240,7 +222,7 @@ class MathBackend(BackendImpl):
                 with torch.enable_grad():
                     inputs = [t.detach().to(ct).requires_grad_() for t in (call.q[rows], seq.k[keys], seq.v[keys])]
                     s = None if slopes is None else slopes.detach().to(ct).requires_grad_(ds_b is not None)
-                    block_out, _ = attend_block(spec, *inputs, s, shift, block, generator)
+                    block_out, _ = attend_block(spec, *inputs, s, shift, block, call.dropout_key, seq.b)
                     wrt = inputs + ([s] if ds_b is not None else [])
                     grads = torch.autograd.grad(block_out, wrt, grad_out[rows], allow_unused=True)
                 grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wrt)]

@@ -19,9 +19,9 @@ from jagged_sdpa.errors import NoBackendError
 
 ALGORITHMS = ("auto", "allgather", "ulysses")
 _IMPLS = {"allgather": allgather, "ulysses": ulysses}
-DROPOUT_REASON = ("dropout_p: dropout is refused under context parallelism: the backends draw dropout masks in "
-                  "the order of their packed layout, so a sharded call could not equal the single-process "
-                  "call; it needs masks keyed on (sequence, head, query position, key position)")
+DROPOUT_REASON = ("dropout_p: dropout is refused under context parallelism: masks are keyed on each row's "
+                  "sequence index and positions in its sequence (keyed_dropout), which the sharded calls do not "
+                  "pass to the backends yet, so a sharded call could not equal the single-process call")
 
 
 def _check_tensors(plan, rank, q, k, v):

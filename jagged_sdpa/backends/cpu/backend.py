@@ -1,8 +1,8 @@
 """CPU_FUSED: the fast CPU path, chosen automatically for CPU tensors; takes every option.
 
 Forward and backward run our compiled kernel (``native.py``: one call for the whole batch) whenever
-it can: fp32/fp16/bf16 without dropout, packed keys, or a paged cache for the forward (its
-backward accumulates shared blocks here). Otherwise (float64, dropout, no C++ compiler, ...) per
+it can: fp32/fp16/bf16 (dropout with ``keyed_dropout``'s mask), packed keys, or a paged cache for the
+forward (its backward accumulates shared blocks here). Otherwise (float64, no C++ compiler, ...) per
 sequence it picks one torch-op engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or
 blocked matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the
 fused kernel cannot take); both walk a sequence in blocks of query rows that see only their
@@ -194,12 +194,12 @@ class CpuFusedBackend(BackendImpl):
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
         notes=(
-            "fp32/fp16/bf16 without dropout: our compiled kernel, forward and backward (built on first "
-            "use; needs a C++ compiler; paged caches read in place, or with a gradient gathered into a "
-            "packed copy of the keys used). Otherwise: fp32/fp64/fp16: PyTorch's fused CPU flash kernel "
-            "per block of query rows; bf16, softcap and dropout: blocked matmuls; decode "
-            "rows (one query, no grad): elementwise passes over key chunks; short sequences without grad: "
-            "padded groups",
+            "fp32/fp16/bf16: our compiled kernel, forward and backward (built on first use; needs a C++ "
+            "compiler; paged caches read in place, or with a gradient gathered into a packed copy of the "
+            "keys used; dropout masks equal math's and triton's). Otherwise: fp32/fp64/fp16: PyTorch's fused "
+            "CPU flash kernel per block of query rows; bf16, softcap and dropout (masks from the default "
+            "generator): blocked matmuls; decode rows (one query, no grad): elementwise passes over key "
+            "chunks; short sequences without grad: padded groups",
         ),
     )
 

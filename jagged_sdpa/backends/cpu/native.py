@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
@@ -36,7 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 5
+ABI_VERSION = 6
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
@@ -70,6 +71,7 @@ class _Params(ctypes.Structure):
         ("window_left", ctypes.c_int64), ("window_right", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
         ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
+        ("dropout_seed", ctypes.c_uint32), ("dropout_offset", ctypes.c_uint32), ("dropout_p", ctypes.c_float),
     ]
 
 
@@ -205,13 +207,10 @@ def reset() -> None:
 def skip_reason(spec: AttnSpec) -> Optional[str]:
     """None when the compiled kernel runs this call's forward, else why not (for ``explain``).
 
-    It takes packed keys or a paged cache in fp32/fp16/bf16 with every option but dropout. float64
-    keeps the torch engines (the kernel computes in float32), dropout keeps the blocked engine's
-    replayable draws."""
+    It takes packed keys or a paged cache in fp32/fp16/bf16 with every option, dropout included
+    (``keyed_dropout``'s mask). float64 keeps the torch engines (the kernel computes in float32)."""
     if spec.dtype not in _DTYPES:
         return f"{str(spec.dtype).replace('torch.', '')}: the kernel computes in float32"
-    if spec.dropout_p:
-        return "dropout"
     if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
         return f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}"
     if not spec.last_dim_contiguous or spec.device_type != "cpu":
@@ -267,6 +266,7 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
     # ctypes would wrap a window past int64 silently (2**64 -> 0); any such window is unbounded in
     # effect, and the kernel's range arithmetic is exact up to INT64_MAX.
     left, right = (min(w, _INT64_MAX) for w in spec.window)
+    seed, offset = keyed_dropout.key_words(call.dropout_key) if spec.dropout_p else (0, 0)
     return _Params(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         cu_q.data_ptr(), ptr(cu_k), ptr(used), ptr(table), 0 if table is None else table.stride(0),
@@ -277,6 +277,7 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         lse.stride(0), lse.stride(1),
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, _DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
+        seed, offset, spec.dropout_p,
     )
 
 

@@ -116,20 +116,14 @@ class TritonBackend(BackendImpl):
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
-        rng = fwd.dropout_seed(call.spec)
         splits = plans.plan_splits(call.spec)
-        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec), rng=rng)
-        out, lse = result.out, result.lse
+        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec))
         if splits > 1:
-            out, lse = plans.merge_splits(out, lse, call.q.dtype)
-        return AttnOutput(out, lse, (torch.tensor(rng, dtype=torch.int64),))
-
-    @classmethod
-    def fake_state(cls, call: PackedCall) -> tuple:
-        return (torch.empty(2, dtype=torch.int64),)
+            out, lse = plans.merge_splits(result.out, result.lse, call.q.dtype)
+            return AttnOutput(out, lse)
+        return result
 
     @classmethod
     def backward(cls, call: PackedCall, out, lse, grad_out, state):
         _, bwd = _kernels()
-        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec),
-                              rng=tuple(state[0].tolist()))
+        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec))

@@ -1,5 +1,6 @@
 """Pieces shared by the forward and backward Triton kernels: score transforms, masks, key
-addressing (packed or paged), the dropout RNG, and the host-side argument helpers.
+addressing (packed or paged), the dropout mask (``keyed_dropout``'s rule), and the host-side
+argument helpers.
 
 The score of query row i (aligned position i') and key j is, in this order: ``scale * q.k``,
 softcap ``c * tanh(s / c)``, ALiBi ``- slope * |i' - j|``, then the band mask
@@ -14,6 +15,8 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+
+from jagged_sdpa.backends import keyed_dropout
 
 # Stand-in for an unbounded window side: far beyond any sequence, far from int32 overflow.
 UNBOUNDED = 1 << 30
@@ -86,15 +89,28 @@ def _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl
 
 
 @triton.jit
-def _dropout_keep(seed, rng_offset, rows, head, offs_n, dropout_p):
-    """Counter-based keep mask: philox(seed; key j, global query row, head, call offset)."""
+def _dropout_keep(key_seed, key_offset, b, rows, heads, offs_n, dropout_p):
+    """``keyed_dropout``'s keep mask (rows x keys): uniform(philox((seed, offset); j, i, h, b)[0]) >= p,
+    with i (rows) and j (offs_n) positions inside sequence b. The key words arrive as int32 bit
+    patterns (``dropout_key_args``); tl.philox takes them as one 64-bit seed, low word first."""
+    seed = key_seed.to(tl.uint32, bitcast=True).to(tl.uint64)
+    seed = seed | (key_offset.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
     zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.uint32)
     c0 = zeros + offs_n[None, :].to(tl.uint32)
     c1 = zeros + rows[:, None].to(tl.uint32)
-    c2 = zeros + head.to(tl.uint32)
-    c3 = zeros + rng_offset.to(tl.uint32)
+    c2 = zeros + heads.to(tl.uint32)
+    c3 = zeros + b.to(tl.uint32)
     r0, _r1, _r2, _r3 = tl.philox(seed, c0, c1, c2, c3)
     return tl.uint_to_uniform_float(r0) >= dropout_p
+
+
+def dropout_key_args(call) -> tuple[int, int]:
+    """The call's dropout key (``keyed_dropout``) as two int32 bit patterns, (0, 0) without dropout.
+    Triton types an int >= 2**31 as int64, which would compile a second variant of each kernel."""
+    if not call.spec.dropout_p:
+        return 0, 0
+    seed, offset = keyed_dropout.key_words(call.dropout_key)
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (seed, offset))
 
 
 def on_device(t: torch.Tensor):

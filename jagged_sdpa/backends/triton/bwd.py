@@ -12,8 +12,8 @@ reference: the float64 ``tests/reference.py`` differentiated by autograd):
 * ``_attn_bwd_dq``: grid (query blocks, Hq, B). One program owns a query block and loops over the
   key blocks its band can see.
 
-With dropout Z (keep / (1 - p), the forward's philox draw): dV = (P o Z)^T dO, dP = (dO V^T) o Z,
-dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.
+With dropout Z (keep / (1 - p), the forward's mask recomputed from the call's key):
+dV = (P o Z)^T dO, dP = (dO V^T) o Z, dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.
 Same features and limits as the forward, except the paged KV cache (forward-only: blocks shared by
 several rows would need atomics).
 """
@@ -26,8 +26,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _scores, _sequence_bounds, alibi_args, head_dim_pad, length_bucket, on_device,
-    sequence_order, tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _scores, _sequence_bounds, alibi_args, dropout_key_args, head_dim_pad, length_bucket,
+    on_device, sequence_order, tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import PackedCall
 
@@ -120,7 +120,7 @@ def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY + ["GROUP_SPLITS"],
                  prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DK", "DV"])
-@triton.jit(do_not_specialize=["seed", "rng_offset"])
+@triton.jit(do_not_specialize=["key_seed", "key_offset"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder,                 # int32 metadata, float32 slopes
@@ -132,7 +132,7 @@ def _attn_bwd_dkdv(
     stride_dks, stride_dkt, stride_dkh, stride_dkd,      # dk like k, or float32 partials (splits, *k.shape)
     stride_dvs, stride_dvt, stride_dvh, stride_dvd,      # dv likewise
     stride_ab,                                           # alibi batch stride (0 = per head)
-    sm_scale, softcap, window_left, window_right, dropout_p, seed, rng_offset,
+    sm_scale, softcap, window_left, window_right, dropout_p, key_seed, key_offset,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only
     GROUP: tl.constexpr,
     GROUP_SPLITS: tl.constexpr,                          # programs sharing one kv head's query group
@@ -199,7 +199,7 @@ def _attn_bwd_dkdv(
                                        window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
             dp = _dot(do, vT, IEEE)
             if HAS_DROPOUT:
-                keep = _dropout_keep(seed, rng_offset, start_q + offs_m, head, offs_n, dropout_p)
+                keep = _dropout_keep(key_seed, key_offset, b, offs_m, head, offs_n, dropout_p)
                 scale_keep = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
                 dv += _dot(tl.trans(p * scale_keep).to(do.dtype), do, IEEE)
                 dp = dp * scale_keep
@@ -219,7 +219,7 @@ def _attn_bwd_dkdv(
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["DQ"])
-@triton.jit(do_not_specialize=["seed", "rng_offset"])
+@triton.jit(do_not_specialize=["key_seed", "key_offset"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ,
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder,
@@ -230,7 +230,7 @@ def _attn_bwd_dq(
     stride_lh, stride_lt,                                # lse and delta (Hq, total_q)
     stride_dqt, stride_dqh, stride_dqd,                  # dq like q
     stride_ab,
-    sm_scale, softcap, window_left, window_right, dropout_p, seed, rng_offset,
+    sm_scale, softcap, window_left, window_right, dropout_p, key_seed, key_offset,
     max_seqlen_q_bucket, max_seqlen_k_bucket,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -290,7 +290,7 @@ def _attn_bwd_dq(
                                    window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
         dp = _dot(do, vT, IEEE)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, start_q + offs_m, head, offs_n, dropout_p)
+            keep = _dropout_keep(key_seed, key_offset, b, offs_m, head, offs_n, dropout_p)
             dp = dp * tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
         ds = _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP)
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), IEEE)
@@ -301,7 +301,7 @@ def _attn_bwd_dq(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1, rng=(0, 0)):
+def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
     """(dq, dk, dv) in the shapes of call.q/k/v (packed keys only; see the module docstring).
     group_splits > 1 spreads each kv head's query group over that many dK/dV programs, which write
     float32 partials summed here (``plans.plan_group_splits``)."""
@@ -329,7 +329,7 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1, r
         HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
         IEEE=q.dtype == torch.float32,
     )
-    scalars = (spec.scale, spec.softcap or 1.0, left, right, spec.dropout_p, rng[0], rng[1],
+    scalars = (spec.scale, spec.softcap or 1.0, left, right, spec.dropout_p, *dropout_key_args(call),
                length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k))
     max_k, max_q = max(spec.max_seqlen_k, 1), max(spec.max_seqlen_q, 1)
     with on_device(q):

@@ -15,8 +15,8 @@ the keys and writes a float32 partial output and lse that ``plans.merge_splits``
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
-or per batch and head), dropout (philox, ``_common._dropout_keep``), Dv != D, any head dim <= 256
-(padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
+or per batch and head), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``), Dv != D, any
+head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
 Limits: bf16 under the Triton 3.9 interpreter is wrong (tl.dot and fp32->bf16 casts), so CPU
 tests use fp32/fp16; bf16 is tested on CUDA only.
 """
@@ -29,8 +29,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, alibi_args, head_dim_pad, kv_strides,
-    length_bucket, on_device, sequence_order, tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, alibi_args, dropout_key_args, head_dim_pad,
+    kv_strides, length_bucket, on_device, sequence_order, tile_bytes_per_row, window_bounds,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
@@ -100,10 +100,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_valid, offs_d,
+def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_valid, offs_d,
                offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-               sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
+               sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
@@ -128,7 +128,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, offs_m_rows, heads_col, offs_n, dropout_p)
+            keep = _dropout_keep(key_seed, key_offset, b, offs_m, heads_col, offs_n, dropout_p)
             p = tl.where(keep, p, 0.0)
         v_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_vb, stride_vt, PAGED, PAGE_SIZE)
         v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
@@ -146,7 +146,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, offs_m_rows, pos_q, row_va
 )
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
-@triton.jit(do_not_specialize=["seed", "rng_offset", "split_size", "num_splits", "window_left", "window_right",
+@triton.jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
                                "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
@@ -158,7 +158,7 @@ def _attn_fwd(
     stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
     stride_btb, stride_ab,                               # block table row, alibi batch (0 = per head)
     sm_scale, softcap, window_left, window_right,        # runtime scalars
-    dropout_p, seed, rng_offset, split_size, num_splits,
+    dropout_p, key_seed, key_offset, split_size, num_splits,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
     GROUP: tl.constexpr,                                 # Hq // Hkv
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -250,22 +250,22 @@ def _attn_fwd(
         # the mask is one compare, and splitting off the last block measured more register spills
         # with ptxas for sm_90 than it saves.)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             lo, mid_lo, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             True)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
+            sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             False)
         lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, table_row, start_q + offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+        acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
         lo, hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        sm_scale, softcap, slope, window_left, window_right, dropout_p, seed, rng_offset, heads_col,
+        sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
         True)
 
@@ -286,17 +286,7 @@ def _attn_fwd(
     tl.store(l_ptrs, lse, mask=row_valid)
 
 
-def dropout_seed(spec) -> tuple[int, int]:
-    """(seed, offset) drawn from torch's default CPU generator, so torch.manual_seed reproduces the
-    mask; the CPU generator costs no device sync."""
-    if not spec.dropout_p:
-        return 0, 0
-    draw = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
-    return int(draw[0]), int(draw[1])
-
-
-def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
-               rng: tuple[int, int] = (0, 0)) -> AttnOutput:
+def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
     ``plans.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
     (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
@@ -311,7 +301,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
         out = torch.empty((1, total_q, heads_q, spec.head_dim_v), device=q.device, dtype=q.dtype)
         lse = torch.empty((1, heads_q, total_q), device=q.device, dtype=torch.float32)
     if batch == 0 or total_q == 0:
-        return AttnOutput(out[0] if num_splits == 1 else out, lse[0] if num_splits == 1 else lse, rng)
+        return AttnOutput(out[0] if num_splits == 1 else out, lse[0] if num_splits == 1 else lse)
     left, right, has_band = window_bounds(spec)
     slopes, stride_ab = alibi_args(call)
     block_table = call.block_table if spec.paged else call.cu_seqlens_q
@@ -337,7 +327,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
             *lse.stride(),
             stride_btb, stride_ab,
             spec.scale, spec.softcap or 1.0, left, right,
-            spec.dropout_p, rng[0], rng[1], split_size, num_splits,
+            spec.dropout_p, *dropout_key_args(call), split_size, num_splits,
             length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
             GROUP=group,
             HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
@@ -348,5 +338,5 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False,
             PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
         )
     if num_splits > 1:
-        return AttnOutput(out, lse, rng)
-    return AttnOutput(out[0], lse[0], rng)
+        return AttnOutput(out, lse)
+    return AttnOutput(out[0], lse[0])

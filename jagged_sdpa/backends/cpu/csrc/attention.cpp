@@ -23,8 +23,13 @@
 // only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
 // alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
 //
-// Sections: vector helpers; parameters; forward tiles (fp32, bf16); direct rows (decoding);
-// forward driver; backward; C entry points.
+// Dropout follows keyed_dropout.py (the one definition, shared with MATH and TRITON): the
+// probability of (sequence b, query head h, in-sequence row i, in-sequence key j) is multiplied by
+// Z = keep / (1 - p), keep drawn by Philox4x32-10 from the counter (j, i, h, b) under the call's
+// key, recomputed (never stored) in the backward; no thread count, work split or packing changes it.
+//
+// Sections: vector helpers; parameters; dropout; forward tiles (fp32, bf16); direct rows
+// (decoding); forward driver; backward; C entry points.
 
 #include <algorithm>
 #include <cmath>
@@ -176,6 +181,9 @@ struct JsParams {
     // (at most QCHUNK), sequences with at most direct_rows queries run as direct rows, whose keys
     // go in steps of direct_keys (at most DIRECT_KEYS).
     int32_t q_chunk, direct_rows, direct_keys;
+    // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
+    uint32_t dropout_seed, dropout_offset;
+    float dropout_p;
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
@@ -225,12 +233,53 @@ inline void key_range(const JsParams& p, int64_t pos, int64_t len_k, int64_t* lo
     *hi = std::clamp(b, *lo, len_k);
 }
 
-// What a score row of key block [kb, kb + nk) needs beyond q.k: softcap, ALiBi, masks (-inf).
+// Word 0 of Philox4x32-10 (Random123; Triton's tl.philox) of counter (c0..c3) under key (k0, k1).
+inline uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+    for (int round = 0; round < 10; ++round) {
+        const uint64_t a = uint64_t{0xD2511F53u} * c0, b = uint64_t{0xCD9E8D57u} * c2;
+        const uint32_t n0 = static_cast<uint32_t>(b >> 32) ^ c1 ^ k0;
+        const uint32_t n2 = static_cast<uint32_t>(a >> 32) ^ c3 ^ k1;
+        c1 = static_cast<uint32_t>(b);
+        c3 = static_cast<uint32_t>(a);
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+// Z = keep / (1 - p) for keys j0 .. j0 + n of row i (head h, sequence b): keep iff Triton's
+// uint_to_uniform_float of the word (as int32, ~x where negative, times 0x1.fffffep-32, the
+// float32 of its 4.6566127342e-10) is >= p. Integer ops only: the compiler vectorizes the loop.
+inline void dropout_scale(const JsParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int n, float* z) {
+    const float kept = 1.f / (1.f - p.dropout_p), threshold = p.dropout_p;
+    const uint32_t ci = static_cast<uint32_t>(i), ch = static_cast<uint32_t>(h), cb = static_cast<uint32_t>(b);
+    for (int j = 0; j < n; ++j) {
+        const uint32_t x = philox_word0(static_cast<uint32_t>(j0 + j), ci, ch, cb, p.dropout_seed, p.dropout_offset);
+        const int32_t w = static_cast<int32_t>(x >= 0x80000000u ? ~x : x);
+        z[j] = static_cast<float>(w) * 0x1.fffffep-32f >= threshold ? kept : 0.f;
+    }
+}
+
+// Multiplies probabilities s[0 .. n) of keys j0 .. of row i (head h, sequence b) by their Z.
+inline void apply_dropout(const JsParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int n, float* s) {
+    alignas(64) float z[BK];
+    for (int c = 0; c < n; c += BK) {
+        const int m = std::min(BK, n - c);
+        dropout_scale(p, b, h, i, j0 + c, m, z);
+        for (int j = 0; j < m; ++j) s[c + j] *= z[j];
+    }
+}
+
+// What a score row of key block [kb, kb + nk) needs beyond q.k: softcap, ALiBi, masks (-inf),
+// and, for its probabilities, dropout (row i = pos - shift of sequence b, query head h).
 struct RowRule {
     const JsParams& p;
     int64_t kb, len_k;
     int nk;
     float slope;
+    int64_t b, h, shift;
 
     void apply(float* s, int64_t pos) const {
         if (p.softcap > 0.f)
@@ -244,6 +293,8 @@ struct RowRule {
         for (int64_t j = 0; j < jlo; ++j) s[j] = -INFINITY;
         for (int64_t j = jhi; j < BK; ++j) s[j] = -INFINITY;
     }
+
+    void drop(float* probs, int64_t pos) const { apply_dropout(p, b, h, pos - shift, kb, nk, probs); }
 };
 
 // S[RR rows][BK] = A[RR][d] . Bt[d][BK] (A rows lda apart): q.k^T, and dO.v^T in the backward.
@@ -360,6 +411,8 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
     qk_tile<RR>(qp, d, d, kt, pb);
     float alpha[RR];
     softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    if (rule.p.dropout_p > 0.f)  // l (above) sums the probabilities before dropout, O after
+        for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     column_chunks(dvp, [&](auto nv, int64_t c) {
         pv_tile<RR, decltype(nv)::value>(pb, alpha, rule.nk, vp + c, dvp, o + c);
     });
@@ -427,6 +480,8 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
     float alpha[RR];
     softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    if (rule.p.dropout_p > 0.f)
+        for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     for (int r = 0; r < RR; ++r)
         for (int c = 0; c < BK / (2 * W); ++c) {
             const float* x = pb + r * BK + c * 2 * W;
@@ -512,6 +567,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
             for (; j < n; ++j) tail += (sh[j] = std::exp(sh[j] - mn));
             l[h] = l[h] * alpha + hsum(sum) + tail;
             for (int64_t e = 0; e < dv; ++e) o[h * dv + e] *= alpha;
+            if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);
         }
         for (int j = 0; j < n; ++j) {
             const T* vrow = v + key_offset(p, b, kb + j, p.v_tok, p.v_block);
@@ -638,7 +694,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         if (nk < BK)
             for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
         }
-        const RowRule rule{p, kb, len_k, nk, slope};
+        const RowRule rule{p, kb, len_k, nk, slope, it.b, it.h, pos0 - it.row0};
         for (int r = 0; r < rows; r += R) {
             const int rr = std::min(R, rows - r);
             int64_t lo_f, hi_f, lo_l, hi_l;
@@ -724,7 +780,9 @@ void run_all(const JsParams& p) {
 // it owns its dK/dV rows outright and keeps dQ of its query heads in scratch. For each key block:
 // for each of its query heads, for chunks of BQ_BWD rows, recompute S = Q.K^T and P = exp(S - lse),
 // dP = dO.V^T, dS = P * (dP - delta) (times the softcap derivative); then dV += P^T.dO,
-// dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end).
+// dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end). With dropout, Z (the
+// forward's mask, recomputed) gives dV += (P o Z)^T.dO and dS = P * (dP o Z - delta); delta =
+// rowsum(dO o O) is unchanged (O is the dropped output).
 
 constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
@@ -872,7 +930,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
         for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t h = hk * group + gi;
             const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
-            const RowRule rule{p, kb, len_k, nk, slope};
+            const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
             for (int64_t c0 = r_begin; c0 < r_end; c0 += BQ_BWD) {
                 const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, r_end - c0));
                 const int64_t base = gi * len_q + c0;  // scratch row of the chunk's first row
@@ -893,10 +951,20 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
                     rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
                     const vf lse = splat(w.lse[base + r]);
                     const vf delta = splat(w.delta[base + r]);
-                    for (int c = 0; c < BK / W; ++c) {
-                        const vf pr = vexp(loadu(srow + c * W) - lse);
-                        storeu(srow + c * W, pr);
-                        storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
+                    if (p.dropout_p > 0.f) {
+                        alignas(64) float z[BK] = {};
+                        dropout_scale(p, b, h, c0 + r, kb, nk, z);
+                        for (int c = 0; c < BK / W; ++c) {
+                            const vf pr = vexp(loadu(srow + c * W) - lse), zc = loadu(z + c * W);
+                            storeu(srow + c * W, pr * zc);
+                            storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
+                        }
+                    } else {
+                        for (int c = 0; c < BK / W; ++c) {
+                            const vf pr = vexp(loadu(srow + c * W) - lse);
+                            storeu(srow + c * W, pr);
+                            storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
+                        }
                     }
                     if (p.softcap > 0.f)
                         for (int j = 0; j < nk; ++j) {
@@ -951,10 +1019,18 @@ void grad_all(const JsGradParams& g) {
     }
 }
 
+// 0 when the parameters are usable; 1 bad heads, 4 dropout_p outside [0, 1) (2 bad dtype and
+// 3 paged backward come from the entry points).
+int check(const JsParams& p) {
+    if (p.heads_kv <= 0 || p.heads_q % p.heads_kv) return 1;
+    if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f)) return 4;
+    return 0;
+}
+
 }  // namespace
 
 extern "C" int js_attention_forward(const JsParams* p) {
-    if (p->heads_kv <= 0 || p->heads_q % p->heads_kv) return 1;
+    if (const int bad = check(*p)) return bad;
     switch (p->dtype) {
         case 0: run_all<F32>(*p); return 0;
         case 1: run_all<F16>(*p); return 0;
@@ -964,7 +1040,7 @@ extern "C" int js_attention_forward(const JsParams* p) {
 }
 
 extern "C" int js_attention_backward(const JsGradParams* g) {
-    if (g->f.heads_kv <= 0 || g->f.heads_q % g->f.heads_kv) return 1;
+    if (const int bad = check(g->f)) return bad;
     if (g->f.block_table) return 3;  // shared cache blocks would need accumulated dK/dV
     switch (g->f.dtype) {
         case 0: grad_all<F32>(*g); return 0;
@@ -974,4 +1050,4 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 5; }
+extern "C" int js_abi_version() { return 6; }

@@ -5,7 +5,6 @@ Argument normalisation and the order of operations live here; no backend-specifi
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -18,17 +17,6 @@ from jagged_sdpa.checks import inputs
 from jagged_sdpa.checks import contents
 from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
 from jagged_sdpa.spec import AttnSpec, PackedCall
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _capability(device: torch.device) -> Optional[tuple[int, int]]:
-    if device.type != "cuda":
-        return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _forced(backend) -> Optional[Backend]:
@@ -133,7 +121,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     spec = AttnSpec(
         entry="sdpa",
         device_type=query.device.type,
-        capability=_capability(query.device),
+        capability=ops.device_capability(query.device),
         dtype=query.dtype,
         batch=batch,
         heads_q=heads_q,
@@ -288,7 +276,6 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
     paged = block_table is not None
 
-    block_size = k.shape[1] if paged else 0
     read = _host_read("max_seqlen_q", max_q, "max_seqlen_k", max_k, q.device)
     if read:
         to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
@@ -302,16 +289,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         cu_k_host = seqused_host = None
     spec = AttnSpec(
         entry="varlen",
-        device_type=q.device.type,
-        capability=_capability(q.device),
-        dtype=q.dtype,
-        batch=batch,
-        heads_q=q.shape[1],
-        heads_kv=k.shape[-2],
-        head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1],
-        total_q=q.shape[0],
-        total_k=k.shape[0] * (k.shape[1] if paged else 1),
+        **ops.tensor_fields(q, k, v, batch, block_table, seqused_k),
         max_seqlen_q=stats_q.max_seqlen,
         max_seqlen_k=stats_k.max_seqlen,
         has_empty_q=stats_q.has_empty,
@@ -327,11 +305,6 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         scale=sm_scale,
         needs_grad=_needs_grad(q, k, v, *([alibi_slopes] if alibi else [])),
         return_lse=return_lse,
-        last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
-        row_stride_align=layout.row_stride_align(q, k, v),
-        paged=paged,
-        block_size=block_size,
-        seqused_k=seqused_k is not None,
         equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,

@@ -61,34 +61,48 @@ def _parse_options(options: str) -> dict:
     return dict(zip(_OPTION_FIELDS, ast.literal_eval(options)))
 
 
-def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """CUDA compute capability of ``device`` (cached per device), None elsewhere."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k) -> AttnSpec:
-    """The spec of an operator call, from its tensors' metadata and ``options``."""
+def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Optional[Tensor],
+                  seqused_k: Optional[Tensor]) -> dict:
+    """The AttnSpec fields of a packed or paged call that its tensors' metadata decide."""
     paged = block_table is not None
-    return AttnSpec(
+    return dict(
         device_type=q.device.type,
-        capability=_capability(q.device),
+        capability=device_capability(q.device),
         dtype=q.dtype,
-        batch=cu_seqlens_q.shape[0] - 1,
+        batch=batch,
         heads_q=q.shape[1],
         heads_kv=k.shape[-2],
         head_dim=q.shape[-1],
         head_dim_v=v.shape[-1],
         total_q=q.shape[0],
         total_k=k.shape[0] * (k.shape[1] if paged else 1),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
         last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
         row_stride_align=layout.row_stride_align(q, k, v),
         paged=paged,
         block_size=k.shape[1] if paged else 0,
         seqused_k=seqused_k is not None,
+    )
+
+
+def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k) -> AttnSpec:
+    """The spec of an operator call, from its tensors' metadata and ``options``."""
+    return AttnSpec(
+        **tensor_fields(q, k, v, cu_seqlens_q.shape[0] - 1, block_table, seqused_k),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
         **_parse_options(options),
     )
 
@@ -110,10 +124,16 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
                 and call.block_table is block_table and call.alibi_slopes is alibi_slopes
                 and call.dropout_key is dropout_key):
             return call
+    return contents.check(_rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+                                   dropout_key, options, max_q, max_k))
+
+
+def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
+             max_q, max_k) -> PackedCall:
+    """The call from the operator's arguments alone (contents not checked)."""
     spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k)
-    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
+    return PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       dropout_key=dropout_key)
-    return contents.check(call)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,12 +163,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alib
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
                     backend, options, max_seqlen_q, max_seqlen_k):
-    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_seqlen_q,
-                          max_seqlen_k)
-    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      dropout_key=dropout_key)
+    call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
+                    max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    lse = q.new_empty(q.shape[1], _lse_rows(spec), dtype=torch.float32)
+    lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
     return out, lse, list(IMPLS[Backend(backend)].fake_state(call))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 from typing import ClassVar, Iterator, Optional
 
-import torch
 from torch import Tensor
 
 from jagged_sdpa.checks import Reason

@@ -489,3 +489,11 @@ def test_kernel_refuses_a_dropout_p_outside_zero_one():
     out, lse = torch.empty(4, 1, 8), torch.empty(1, 4)
     with pytest.raises(RuntimeError, match="code 4"):
         native.forward(call.replace(spec=call.spec.replace(dropout_p=1.0)), out, lse)
+
+
+def test_a_backend_call_without_its_key_is_refused():
+    """Only the public functions draw keys: a call built elsewhere without one fails loudly."""
+    q = torch.randn(4, 1, 8)
+    call = _call("math", q, q, q, cu_of([4]), cu_of([4]), None)
+    with pytest.raises(RuntimeError, match="dropout_key"):
+        IMPLS[Backend.MATH].forward(call)

@@ -1170,15 +1170,14 @@ def _nan_equal(a, c):
 
 
 def _native(case):
-    """The compiled kernel may run this forward (fp32/fp16/bf16, cpu_fused or auto, no dropout,
-    last dim contiguous)."""
-    return case["backend"] in ("auto", "cpu_fused") and case["dtype"] != "float64" and \
-        case["layout"] != "lastdim" and not _dropout_p(case)
+    """The compiled kernel may run this forward (fp32/fp16/bf16, cpu_fused or auto, last dim
+    contiguous)."""
+    return case["backend"] in ("auto", "cpu_fused") and case["dtype"] != "float64" and case["layout"] != "lastdim"
 
 
 def _torch_engines_backward(case):
     """The torch-op engines run this call's backward: forced (cpu_torch), or what the compiled
-    kernel does not take (float64, dropout, a strided last dim)."""
+    kernel does not take (float64, a strided last dim)."""
     return case["grad"] and (case["backend"] == "cpu_torch" or not _native(case))
 
 

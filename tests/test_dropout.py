@@ -100,10 +100,11 @@ def _probe():
     """The probe kernel, decorated on first use: under the ``interpret`` fixture, so interpreted."""
 
     @triton.jit
-    def probe(Words, Rand, Keep, key_seed, key_offset, b, head, dropout_p, ROWS: tl.constexpr, KEYS: tl.constexpr):
+    def probe(Words, Uniform, Rand, Keep, key_seed, key_offset, b, head, dropout_p, ROWS: tl.constexpr,
+              KEYS: tl.constexpr):
         """Words: tl.philox's four words of counter (j, i, head, b) under the 64-bit seed
-        key_seed | key_offset << 32; Rand: tl.randint(that seed, i * KEYS + j); Keep: the kernels'
-        _dropout_keep."""
+        key_seed | key_offset << 32; Uniform: tl.uint_to_uniform_float of word 0; Rand:
+        tl.randint(that seed, i * KEYS + j); Keep: the kernels' _dropout_keep."""
         i = tl.arange(0, ROWS)
         j = tl.arange(0, KEYS)
         seed = key_seed.to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -116,6 +117,7 @@ def _probe():
         tl.store(Words + ROWS * KEYS + at, w1.to(tl.int64) & 0xFFFFFFFF)
         tl.store(Words + 2 * ROWS * KEYS + at, w2.to(tl.int64) & 0xFFFFFFFF)
         tl.store(Words + 3 * ROWS * KEYS + at, w3.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(Uniform + at, tl.uint_to_uniform_float(w0))
         tl.store(Rand + at, tl.randint(seed, at.to(tl.uint32)).to(tl.int64) & 0xFFFFFFFF)
         keep = triton_common._dropout_keep(key_seed, key_offset, b, i, head, j, dropout_p)
         tl.store(Keep + at, keep.to(tl.int8))
@@ -133,8 +135,10 @@ def test_torch_philox_equals_tritons(key, interpret):
     words = torch.zeros(4, rows, keys, dtype=torch.int64)
     rand = torch.zeros(rows, keys, dtype=torch.int64)
     keep = torch.zeros(rows, keys, dtype=torch.int8)
+    uniform = torch.zeros(rows, keys)
     call = PackedCall(*(torch.zeros(1),) * 5, spec=_spec_with_dropout(p), dropout_key=torch.tensor(key))
-    _probe()[(1,)](words, rand, keep, *triton_common.dropout_key_args(call), b, head, p, ROWS=rows, KEYS=keys)
+    _probe()[(1,)](words, uniform, rand, keep, *triton_common.dropout_key_args(call), b, head, p, ROWS=rows,
+                   KEYS=keys)
     j, i = torch.arange(keys).view(1, -1), torch.arange(rows).view(-1, 1)
     expected = keyed_dropout.philox4x32_10(j, i, torch.tensor(head), torch.tensor(b), *key)
     for got, want in zip(words, expected):
@@ -142,10 +146,8 @@ def test_torch_philox_equals_tritons(key, interpret):
     flat = (i * keys + j)
     assert torch.equal(rand, keyed_dropout.philox4x32_10(flat, flat * 0, flat * 0, flat * 0, *key)[0])
     mask = keyed_dropout.keep_mask(torch.tensor(key), b, torch.tensor([head]), i.flatten(), j.flatten(), p)[0]
-    assert torch.equal(keep.bool(), mask)
-    # Triton's uniform of these words is the torch uniform (through the mask at many thresholds).
-    u = keyed_dropout.uniform(expected[0].expand(rows, keys))
-    assert torch.equal(mask, u >= torch.tensor(p, dtype=torch.float32))
+    assert torch.equal(keep.bool(), mask) and 0 < mask.sum() < mask.numel()
+    assert torch.equal(uniform, keyed_dropout.uniform(expected[0].expand(rows, keys)))
 
 
 def _spec_with_dropout(p):
@@ -489,3 +491,11 @@ def test_kernel_refuses_a_dropout_p_outside_zero_one():
     out, lse = torch.empty(4, 1, 8), torch.empty(1, 4)
     with pytest.raises(RuntimeError, match="code 4"):
         native.forward(call.replace(spec=call.spec.replace(dropout_p=1.0)), out, lse)
+
+
+def test_a_backend_call_without_its_key_is_refused():
+    """Only the public functions draw keys: a call built elsewhere without one fails loudly."""
+    q = torch.randn(4, 1, 8)
+    call = _call("math", q, q, q, cu_of([4]), cu_of([4]), None)
+    with pytest.raises(RuntimeError, match="dropout_key"):
+        IMPLS[Backend.MATH].forward(call)

@@ -30,7 +30,7 @@ the same function.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -51,8 +51,11 @@ def draw_key() -> Tensor:
     return torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device="cpu")
 
 
-def key_words(key: Tensor) -> tuple[int, int]:
+def key_words(key: Optional[Tensor]) -> tuple[int, int]:
     """(seed, offset) as Python ints (the key lives on the CPU: no device sync)."""
+    if key is None:
+        raise RuntimeError("a call with dropout_p > 0 reached a backend without its dropout_key "
+                           "(the public functions draw it: keyed_dropout.draw_key)")
     seed, offset = (int(x) for x in key.tolist())
     return seed, offset
 

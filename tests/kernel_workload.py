@@ -7,7 +7,7 @@ against MATH.
 
 Paths: forward tiles (several key blocks, query chunks, GQA, odd D, Dv != D, every option),
 direct decode rows, windows past the keys (top-left through ``sdpa``, Lq > Lk, Lk = 0), the
-issue-11 repros, NaN rows, the backward, the paged forward. ``run(place)`` runs them all in this
+issue-11 repros, NaN rows, the backward, the paged forward and backward. ``run(place)`` runs them all in this
 process, printing each case before it runs (a crash names its case).
 """
 
@@ -90,6 +90,28 @@ def _paged_case(q_lens, used, block_size, hq, hkv, d, **opts):
     return build, call
 
 
+def _paged_backward_case(q_lens, used, block_size, hq, hkv, d, **opts):
+    """The paged backward: sequence 1 reads sequence 0's first block as its first and second
+    blocks (a shared block, read twice), so dK/dV go through the kernel's shared-block sums."""
+    build_paged, _ = _paged_case(q_lens, used, block_size, hq, hkv, d)
+
+    def build(dtype, gen):
+        x = build_paged(dtype, gen)
+        x["table"][1, :2] = x["table"][0, 0]
+        for key in ("q", "k", "v"):
+            x[key].requires_grad_(True)
+        x["grad"] = _randn(gen, sum(q_lens), hq, d, dtype=dtype)
+        return x
+
+    def call(x, backend):
+        leaves = [x["q"], x["k"], x["v"]]
+        out = jagged_sdpa.varlen_attention(*leaves, x["cu_q"], None, block_table=x["table"], seqused_k=x["used"],
+                                           backend=backend, **opts)
+        dq, dk, dv_ = torch.autograd.grad(out, leaves, x["grad"])
+        return {"out": out, "dq": dq, "dk": dk, "dv": dv_}
+    return build, call
+
+
 def _njt_case(q_lens, k_lens, h, d, **opts):
     """sdpa on NJTs (top-left alignment unless opts say otherwise) whose values are the placed tensors."""
     def build(dtype, gen):
@@ -143,6 +165,9 @@ CASES = {
     "dropout_backward": _backward_case([130, 0, 1, 67, 3], [130, 5, 70, 0, 2], 4, 2, 40, 24, causal=True,
                                        softcap=3.0, dropout_p=0.2),
     "dropout_paged": _paged_case([9, 1, 70], [40, 77, 70], 16, 4, 2, 24, causal=True, dropout_p=0.5),
+    "paged_backward": _paged_backward_case([9, 3, 1, 0, 70], [40, 37, 0, 5, 70], 16, 4, 2, 24, causal=True,
+                                           window_size=(30, 0)),
+    "paged_backward_odd_blocks": _paged_backward_case([3, 2, 1], [5, 12, 33], 5, 2, 2, 8, softcap=2.0),
 }
 
 

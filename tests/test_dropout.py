@@ -393,7 +393,7 @@ def _run_case(backend, case, dtype, q_lens, k_lens, key, grad_seed=0):
     call = _call(backend, *leaves, cu_q, cu_k, key, alignment=case.get("alignment", "bottom_right"),
                  slopes=slopes, table=table, used=used, **options)
     if backend == "cpu_fused":  # the compiled kernel runs it (no torch-op engine)
-        assert cpu_backend.native_forward_reason(cpu_backend._kernel_spec(call.spec)) is None
+        assert cpu_backend.native_forward_reason(call.spec) is None
     result = run(Backend(backend), call)
     grads = [None] * 3
     if backward:

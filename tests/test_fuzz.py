@@ -110,7 +110,7 @@ def test_checker_catches_a_wrong_number(monkeypatch):
 def test_paged_backward_with_huge_logits_runs_in_the_compiled_kernel(seed, index):
     """Cases of the long runs where the torch-op backward of a paged call was off at large logits
     (softmax_scale 45-200): paged calls that need a gradient now run the compiled kernel on both
-    passes over a packed copy of the keys (cpu/backend.packed_from_paged), and match float64."""
+    passes (reading the cache in place), and match float64."""
     case = fuzz.make_case(seed, index, backend="auto")
     assert case["entry"] == "paged" and case["grad"] and case["scores"] == "huge"
     assert fuzz.run_case(case)[0] == "ok"

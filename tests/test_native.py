@@ -232,6 +232,100 @@ def test_backward_head_dims_gqa_and_nan_buffers(heads, dims):
         assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True)
 
 
+def _paged_grad_case(dtype, block_size, d=24, dv=16, hq=4, hkv=2):
+    """A paged call for the backward: sequences 0 and 1 share two full blocks (prefix caching),
+    sequence 4 (one decode row) shares sequence 0's first block partly, sequence 2 lists one block
+    twice, sequence 3 has no query (its blocks get nothing from it), sequence 5 no key. NaN in every
+    slot no sequence reads; block ids shuffled."""
+    q_lens, k_lens = [20, 9, 5, 0, 1, 3], [150, 100, 2 * block_size, 40, 9, 0]
+    need = [-(-n // block_size) for n in k_lens]
+    ids = torch.randperm(sum(need) + 3).tolist()
+    rows = []
+    for b, n in enumerate(need):
+        row = [ids.pop() for _ in range(n)]
+        if b == 1:
+            row[:2] = rows[0][:2]
+        if b == 2:
+            row[1] = row[0]
+        if b in (3, 4):
+            row[0] = rows[0][0]
+        rows.append(row)
+    table = torch.tensor([row + [-1] * (max(need) - len(row)) for row in rows], dtype=torch.int32)
+    num_blocks = max(max(row) for row in rows if row) + 2
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"))
+    v_cache = torch.full((num_blocks, block_size, hkv, dv), float("nan"))
+    slots = []
+    for b, n in enumerate(k_lens):
+        slots += [rows[b][j // block_size] * block_size + j % block_size for j in range(n)]
+    slots = torch.tensor(slots, dtype=torch.long)
+    k_cache.flatten(0, 1)[slots] = torch.randn(len(slots), hkv, d)
+    v_cache.flatten(0, 1)[slots] = torch.randn(len(slots), hkv, dv)
+    q = torch.randn(sum(q_lens), hq, d)
+    return [t.to(dtype) for t in (q, k_cache, v_cache)], table, q_lens, k_lens, slots
+
+
+PAGED_GRAD_OPTIONS = {"causal": {"causal": True},
+                      "softcap_alibi_window": {"softcap": 2.0, "alibi_slopes": "per_head", "window_size": (60, 5)}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("name,block_size", [("causal", 16), ("softcap_alibi_window", 24)])
+def test_paged_backward_accumulates_shared_blocks(name, block_size, dtype):
+    """The kernel's backward reads the cache through the block table and writes cache-shaped
+    dK/dV: blocks several sequences read (or one reads twice) get the sum, blocks and slots no
+    sequence reads 0; against float64 autograd through a plain gather from the cache. The same
+    bits twice and with 1 or 2 threads."""
+    opts = PAGED_GRAD_OPTIONS[name]
+    (q, k_cache, v_cache), table, q_lens, k_lens, slots = _paged_grad_case(dtype, block_size)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), 4, high=0.3)
+    call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    cu_q, used = cu_of(q_lens), torch.tensor(k_lens, dtype=torch.int32)
+    paged = dict(block_table=table, seqused_k=used, alibi_slopes=slopes, **call)
+    assert native.backward_skip_reason(jagged_sdpa.explain(q.requires_grad_(True), k_cache, v_cache, cu_q, None,
+                                                           **paged).spec) is None
+    grad = torch.randn(sum(q_lens), 4, 16).to(dtype)
+
+    def run(backend=CPU):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache)]
+        out = jagged_sdpa.varlen_attention(*leaves, cu_q, None, backend=backend, **paged)
+        out.backward(grad)
+        return [out] + [t.grad for t in leaves]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runs = [run(), run()]
+        torch.set_num_threads(1)
+        runs.append(run())
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    out, dq, dkc, dvc = runs[0]
+
+    q64, kc64, vc64 = (t.detach().double().requires_grad_(True) for t in (q, k_cache, v_cache))
+    ref, _ = attention_reference(q64, kc64.flatten(0, 1)[slots], vc64.flatten(0, 1)[slots], cu_q, cu_of(k_lens),
+                                 causal=opts.get("causal", False), alignment="bottom_right",
+                                 window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+                                 alibi_slopes=None if slopes is None else slopes.double())
+    ref.backward(grad.double())
+    lowp = {}
+    if dtype in LOWP:  # MATH's paged backward in the same dtype: the low-precision error allowed
+        lowp = dict(zip(("out", "dq", "dk", "dv"), run(Backend.MATH)))
+    assert_close_packed(out, ref, cu_seqlens=cu_q, lowp_ref=lowp.get("out"))
+    assert_close_packed(dq, q64.grad, cu_seqlens=cu_q, name="dq", grad=True, lowp_ref=lowp.get("dq"))
+    flat = list(range(dkc.shape[0] * block_size + 1))
+    for name_, got, want in (("dk_cache", dkc, kc64.grad), ("dv_cache", dvc, vc64.grad)):
+        assert got.shape == want.shape and got.dtype == dtype
+        lp = lowp.get(name_[:2])
+        assert_close_packed(got.flatten(0, 1), want.flatten(0, 1), cu_seqlens=flat, name=name_, grad=True,
+                            lowp_ref=None if lp is None else lp.flatten(0, 1))
+    unread = torch.ones(dkc.shape[0] * block_size, dtype=torch.bool)
+    unread[slots] = False
+    assert not dkc.flatten(0, 1)[unread].any() and not dvc.flatten(0, 1)[unread].any()
+
+
 # ----------------------------------------------------------------------------------------------
 # build and switch
 

@@ -2,7 +2,8 @@
 (``JAGGED_SDPA_SANITIZE=address,undefined``: ``-fsanitize=address,undefined -fno-omit-frame-pointer
 -fno-sanitize-recover=all -O1 -g``, a library of its own in the build cache), run over every kernel
 path (``kernel_workload.py``: forward tiles, decode rows, windows past the keys, the issue-11
-repros, NaN rows, backward, paged; fp32/fp16/bf16; two work splits).
+repros, NaN rows, backward, paged forward and backward (shared blocks); fp32/fp16/bf16; two work
+splits).
 
 Why a child python: an ASan library only loads into a process that starts with the ASan runtime
 (``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``), and a report aborts that process. Under the

@@ -1,8 +1,8 @@
 """CPU_FUSED: the fast CPU path, chosen automatically for CPU tensors; takes every option.
 
 Forward and backward run our compiled kernel (``native.py``: one call for the whole batch) whenever
-it can: fp32/fp16/bf16 (dropout with ``keyed_dropout``'s mask), packed keys, or a paged cache for the
-forward (its backward accumulates shared blocks here). Otherwise (float64, no C++ compiler, ...) per
+it can: fp32/fp16/bf16 (dropout with ``keyed_dropout``'s mask), packed keys or a paged cache (read in
+place; its backward sums the dK/dV of shared cache blocks itself). Otherwise (float64, no C++ compiler, ...) per
 sequence it picks one torch-op engine: the fused flash kernel (``fused.py``: fp32/fp64/fp16) or
 blocked matmuls (``blocked.py``: bf16, where bf16 matmuls are fast, and softcap/dropout, which the
 fused kernel cannot take); both walk a sequence in blocks of query rows that see only their
@@ -24,6 +24,7 @@ from torch import Tensor
 from jagged_sdpa import layout
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.backends.cpu import blocked, decode, fused, grouped, native, schedule
+from jagged_sdpa.backends.math import paged_slots
 from jagged_sdpa.checks.capability import ALL_FLOAT_DTYPES, Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
@@ -89,11 +90,6 @@ GROUPED_PAIRS = 64 * 64
 GROUPED_KEYS = 64
 
 
-def _kernel_spec(spec: AttnSpec) -> AttnSpec:
-    """The spec of ``_kernel_call``: paged calls that need a gradient run packed."""
-    return spec.replace(paged=False, block_size=0, seqused_k=False) if spec.paged and spec.needs_grad else spec
-
-
 def native_forward_reason(spec: AttnSpec) -> Optional[str]:
     """None when the compiled kernel runs the forward, else why not. With a gradient needed the
     backward must run where the forward ran: it recomputes P = exp(S - lse) from the forward's lse,
@@ -122,37 +118,6 @@ def fused_for_sequence(spec: AttnSpec, len_q: int, len_k: int, backward: bool = 
     return backward or len_q * len_k > SMALL_PAIRS
 
 
-def _paged_slots(call: PackedCall, b: int, length: int) -> Tensor:
-    block_size = call.spec.block_size
-    ids = call.block_table[b, :-(-length // block_size)].long()
-    offsets = torch.arange(block_size, device=ids.device)
-    return (ids.unsqueeze(1) * block_size + offsets).flatten()[:length]
-
-
-def packed_from_paged(call: PackedCall) -> tuple[PackedCall, Tensor]:
-    """A paged call as a packed one over copies of the keys it uses, and the cache rows (flat slot
-    indices) they came from. Paged calls that need a gradient run the compiled kernel this way, on
-    both passes: its backward owns each packed key's dK/dV rows, and ``index_add_`` sums them into
-    the cache (blocks shared by sequences accumulate, in order, so the result is deterministic)."""
-    used = call.seqused_k_host if call.seqused_k_host is not None else tuple(call.seqused_k.tolist())
-    slots = [_paged_slots(call, b, n) for b, n in enumerate(used) if n]
-    rows = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long, device=call.k.device)
-    cu_k = [0]
-    for n in used:
-        cu_k.append(cu_k[-1] + n)
-    spec = _kernel_spec(call.spec).replace(total_k=cu_k[-1])
-    packed = call.replace(k=call.k.flatten(0, 1).index_select(0, rows), v=call.v.flatten(0, 1).index_select(0, rows),
-                          cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=call.k.device),
-                          seqused_k=None, block_table=None, spec=spec, cu_k_host=tuple(cu_k), seqused_k_host=None)
-    return packed, rows
-
-
-def _kernel_call(call: PackedCall) -> PackedCall:
-    """The call the compiled kernel would run: a paged call that needs a gradient as a packed one
-    (``packed_from_paged``), every other call as it is."""
-    return packed_from_paged(call)[0] if call.spec.paged and call.spec.needs_grad else call
-
-
 def _sequences(call: PackedCall) -> Iterator[_Seq]:
     q_ranges = call.query_ranges_host()
     if call.spec.paged:
@@ -162,7 +127,7 @@ def _sequences(call: PackedCall) -> Iterator[_Seq]:
         for b, ((q_start, len_q), length) in enumerate(zip(q_ranges, used)):
             if len_q == 0:
                 continue
-            yield _Seq(b, q_start, len_q, length, _paged_slots(call, b, length), k_flat, v_flat)
+            yield _Seq(b, q_start, len_q, length, paged_slots(call, b, length), k_flat, v_flat)
         return
     k, v = call.k, call.v
     for b, ((q_start, len_q), (k_start, len_k)) in enumerate(zip(q_ranges, call.key_ranges_host())):
@@ -195,18 +160,17 @@ class CpuFusedBackend(BackendImpl):
         paged=True,
         notes=(
             "fp32/fp16/bf16: our compiled kernel, forward and backward (built on first use; needs a C++ "
-            "compiler; paged caches read in place, or with a gradient gathered into a packed copy of the "
-            "keys used; dropout masks equal math's and triton's). Otherwise: fp32/fp64/fp16: PyTorch's fused "
-            "CPU flash kernel per block of query rows; bf16, softcap and dropout (masks from the default "
-            "generator): blocked matmuls; decode rows (one query, no grad): elementwise passes over key "
-            "chunks; short sequences without grad: padded groups",
+            "compiler; paged caches read in place in both directions; dropout masks equal math's and "
+            "triton's). Otherwise: fp32/fp64/fp16: PyTorch's fused CPU flash kernel per block of query rows; "
+            "bf16, softcap and dropout (masks from the default generator): blocked matmuls; decode rows (one "
+            "query, no grad): elementwise passes over key chunks; short sequences without grad: padded groups",
         ),
     )
 
     @classmethod
     def fake_state(cls, call: PackedCall) -> tuple:
         spec = unit_stride(call).spec
-        if native_forward_reason(_kernel_spec(spec)) is None:
+        if native_forward_reason(spec) is None:
             return ()
         rng = torch.empty(torch.get_rng_state().shape, dtype=torch.uint8) if spec.dropout_p and spec.needs_grad else None
         lse_full = (call.q.new_empty(spec.heads_q, spec.total_q, dtype=torch.float64)
@@ -222,10 +186,7 @@ class CpuFusedBackend(BackendImpl):
         if not spec.last_dim_contiguous:
             notes.append("cpu_fused: q/k/v with a strided last dim are copied to unit stride first")
             spec = spec.replace(last_dim_contiguous=True)
-        why_not_native = native_forward_reason(_kernel_spec(spec))
-        if why_not_native is None and spec.paged and spec.needs_grad:
-            notes.append("cpu_fused: paged cache with a gradient: the keys it uses are gathered into a packed "
-                         "copy for the compiled kernel; dK/dV are summed back into the cache")
+        why_not_native = native_forward_reason(spec)
         if why_not_native is None:
             return tuple(notes)
         notes.append(f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence")
@@ -248,8 +209,8 @@ class CpuFusedBackend(BackendImpl):
         q = call.q
         out = q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32, device=q.device)
-        if native_forward_reason(_kernel_spec(spec)) is None:
-            native.forward(_kernel_call(call), out, lse)
+        if native_forward_reason(spec) is None:
+            native.forward(call, out, lse)
             return AttnOutput(out, lse if spec.return_lse else None)
         lse_full = None
         if spec.dtype == torch.float64 and spec.return_lse:
@@ -309,15 +270,8 @@ class CpuFusedBackend(BackendImpl):
         call = unit_stride(call)
         out, grad_out = _unit_stride(out), _unit_stride(grad_out)
         spec = call.spec
-        if native.backward_skip_reason(_kernel_spec(spec)) is None:
-            if not spec.paged:
-                return native.backward(call, out, lse, grad_out)
-            packed, rows = packed_from_paged(call)
-            dq, dk_packed, dv_packed = native.backward(packed, out, lse, grad_out)
-            dk, dv = torch.zeros_like(call.k), torch.zeros_like(call.v)
-            dk.flatten(0, 1).index_add_(0, rows, dk_packed)
-            dv.flatten(0, 1).index_add_(0, rows, dv_packed)
-            return dq, dk, dv
+        if native.backward_skip_reason(spec) is None:
+            return native.backward(call, out, lse, grad_out)
         rng, lse_full = _unpack_state(state)
         if lse_full is not None:
             lse = lse_full

@@ -37,7 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 6
+ABI_VERSION = 7
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
@@ -84,6 +84,7 @@ class _GradParams(ctypes.Structure):
         ("do_tok", ctypes.c_int64), ("do_head", ctypes.c_int64), ("dq_tok", ctypes.c_int64),
         ("dq_head", ctypes.c_int64), ("dk_tok", ctypes.c_int64), ("dk_head", ctypes.c_int64),
         ("dv_tok", ctypes.c_int64), ("dv_head", ctypes.c_int64),
+        ("dk_block", ctypes.c_int64), ("dv_block", ctypes.c_int64),
     ]
 
 
@@ -228,8 +229,6 @@ BACKWARD_ITEM_BYTES = 256 << 20
 def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
     """None when the compiled kernel runs this call's backward, else why not."""
     why = skip_reason(spec)
-    if why is None and spec.paged:
-        why = "paged KV cache: sequences may share cache blocks, whose dK/dV accumulate"
     if why is None:
         per_item = spec.gqa_group * spec.max_seqlen_q * (2 * spec.head_dim + spec.head_dim_v) * 4
         if per_item > BACKWARD_ITEM_BYTES:
@@ -290,14 +289,19 @@ def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
 
 
 def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward)."""
+    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward).
+    With a paged cache dk/dv are cache-shaped: blocks no sequence reads get 0, shared blocks the
+    sum over the sequences that read them (summed in order: deterministic)."""
     lse = lse if lse.dtype == torch.float32 else lse.float()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (call.q, call.k, call.v))
     keep: list = []
+    # (tokens, heads, blocks) strides of dk/dv: (num_blocks, block_size, Hkv, D) when paged.
+    dk_strides, dv_strides = ((t.stride(1), t.stride(2), t.stride(0)) if call.spec.paged else
+                              (t.stride(0), t.stride(1), 0) for t in (dk, dv))
     g = _GradParams(_params(call, out, lse, keep), grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                    grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-                    dv.stride(0), dv.stride(1))
+                    grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), *dk_strides[:2],
+                    *dv_strides[:2], dk_strides[2], dv_strides[2])
     code = library().js_attention_backward(ctypes.byref(g))
     if code:
         raise RuntimeError(f"native attention kernel refused its parameters (code {code})")

@@ -9,7 +9,8 @@
 // online softmax over blocks of 64 keys.
 //
 // Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
-// strides and a contiguous last dim, or k/v as a paged cache read through a block table (forward);
+// strides and a contiguous last dim, or k/v as a paged cache read through a block table (both
+// directions: the backward's dK/dV are then cache-shaped, see "Backward");
 // out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
 // window) on the aligned position i' = i + shift. Computation is float32 whatever the input dtype
@@ -35,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include <omp.h>
@@ -162,7 +164,7 @@ struct JsParams {
     const int32_t* cu_q;       // (batch + 1,) query offsets into q/out
     const int32_t* cu_k;       // (batch + 1,) key offsets into k/v
     const int32_t* seqused_k;  // (batch,) keys each sequence uses from its start, or null
-    // A paged KV cache (forward only): k/v are (num_blocks, block_size, Hkv, D) with a block stride
+    // A paged KV cache: k/v are (num_blocks, block_size, Hkv, D) with a block stride
     // k_block/v_block, key j of sequence b lives in block block_table[b * bt_stride + j / block_size];
     // cu_k is then null and seqused_k gives the lengths.
     const int32_t* block_table;
@@ -187,8 +189,9 @@ struct JsParams {
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
-// dq like q, dk like k, dv like v (any token and head strides, contiguous last dim), lse as
-// written by the forward. dq/dk/dv arrive zeroed; the kernel writes every row it owns.
+// dq like q, dk like k, dv like v (any token and head strides, contiguous last dim; with a paged
+// cache dk/dv are cache-shaped with block strides dk_block/dv_block), lse as written by the
+// forward. dq/dk/dv arrive zeroed; the kernel writes every row some sequence reads.
 struct JsGradParams {
     JsParams f;
     const void* dout;
@@ -196,13 +199,12 @@ struct JsGradParams {
     void* dk;
     void* dv;
     int64_t do_tok, do_head, dq_tok, dq_head, dk_tok, dk_head, dv_tok, dv_head;
+    int64_t dk_block, dv_block;
 };
 
 }  // extern "C"
 
 namespace {
-
-inline int64_t key_start(const JsParams& p, int64_t b) { return p.cu_k[b]; }
 
 // Element offset of key j of sequence b in k or v (tok and blk: that tensor's strides).
 inline int64_t key_offset(const JsParams& p, int64_t b, int64_t j, int64_t tok, int64_t blk) {
@@ -783,6 +785,15 @@ void run_all(const JsParams& p) {
 // dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end). With dropout, Z (the
 // forward's mask, recomputed) gives dV += (P o Z)^T.dO and dS = P * (dP o Z - delta); delta =
 // rowsum(dO o O) is unchanged (O is the dropped output).
+//
+// A paged cache is read in place through the block table, and dK/dV are cache-shaped. Sequences
+// may share cache blocks (prefix caching; a row may even list a block twice), so a block's dK/dV
+// may have several contributions. A block read by one reference (sequence b, its idx-th block; the
+// usual case) is written by the item that owns it, as packed keys are. Every reference to a block
+// read more than once gets float32 accumulator rows of its own instead, and once every item is done
+// each such block sums its references' rows in (b, idx) order and rounds once. So each float is
+// written by one item and summed in a fixed order: the same bits whatever the thread count, with
+// no atomics, and extra memory only for the shared blocks.
 
 constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
@@ -868,14 +879,100 @@ struct GradScratch {
         }                                               \
     }
 
+// The references of a paged call to its cache blocks, and accumulators for the shared ones.
+struct SharedBlocks {
+    int64_t block_size = 0, heads_kv = 0, d = 0, dv = 0;
+    std::vector<int64_t> ref_base;  // (batch + 1,): sequence b's references are [ref_base[b], ref_base[b + 1])
+    std::vector<int64_t> slot;      // per reference: its accumulator rows, or -1 (its block is read once)
+    std::vector<int64_t> order;     // references of shared blocks, by (block, b, idx)
+    std::vector<int64_t> group;     // shared block i's references: order[group[i], group[i + 1])
+    std::vector<int64_t> block;     // shared block i's cache block
+    std::vector<float> k, v;        // (slots, block_size, Hkv, D) and (slots, block_size, Hkv, Dv)
+
+    // Sequences that contribute a gradient (queries and keys) reference their first
+    // ceil(len_k / block_size) blocks; no other table entry is read.
+    explicit SharedBlocks(const JsParams& p)
+        : block_size(p.block_size), heads_kv(p.heads_kv), d(p.head_dim), dv(p.head_dim_v), ref_base(p.batch + 1, 0) {
+        std::vector<int64_t> ids;
+        for (int64_t b = 0; b < p.batch; ++b) {
+            ref_base[b] = static_cast<int64_t>(ids.size());
+            const int64_t len_k = key_count(p, b);
+            if (p.cu_q[b + 1] == p.cu_q[b] || len_k == 0) continue;
+            for (int64_t i = 0; i < (len_k + block_size - 1) / block_size; ++i)
+                ids.push_back(p.block_table[b * p.bt_stride + i]);
+        }
+        ref_base[p.batch] = static_cast<int64_t>(ids.size());
+        std::vector<int64_t> by_block(ids.size());
+        for (size_t r = 0; r < ids.size(); ++r) by_block[r] = static_cast<int64_t>(r);
+        std::stable_sort(by_block.begin(), by_block.end(), [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
+        slot.assign(ids.size(), -1);
+        int64_t slots = 0;
+        for (size_t i = 0; i < by_block.size();) {
+            size_t end = i + 1;
+            while (end < by_block.size() && ids[by_block[end]] == ids[by_block[i]]) ++end;
+            if (end - i > 1) {
+                group.push_back(static_cast<int64_t>(order.size()));
+                block.push_back(ids[by_block[i]]);
+                for (size_t r = i; r < end; ++r) {
+                    order.push_back(by_block[r]);
+                    slot[by_block[r]] = slots++;
+                }
+            }
+            i = end;
+        }
+        group.push_back(static_cast<int64_t>(order.size()));
+        k.assign(slots * block_size * heads_kv * d, 0.f);
+        v.assign(slots * block_size * heads_kv * dv, 0.f);
+    }
+
+    // Accumulator rows (dK, dV) of key j of sequence b, kv head hk; null when its block is read once.
+    float* k_row(int64_t b, int64_t j, int64_t hk) {
+        const int64_t s = slot[ref_base[b] + j / block_size];
+        return s < 0 ? nullptr : k.data() + ((s * block_size + j % block_size) * heads_kv + hk) * d;
+    }
+    float* v_row(int64_t b, int64_t j, int64_t hk) {
+        const int64_t s = slot[ref_base[b] + j / block_size];
+        return v.data() + ((s * block_size + j % block_size) * heads_kv + hk) * dv;
+    }
+
+    // Sums every shared block's accumulators into the cache-shaped dK/dV, in (b, idx) order. Rows a
+    // reference does not cover (past its sequence's keys) stay 0 and add nothing.
+    template <class IO>
+    void reduce(const JsGradParams& g, int threads) const {
+        typedef typename IO::T T;
+        const int64_t n = static_cast<int64_t>(block.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n > 1)
+        for (int64_t i = 0; i < n; ++i) {
+            for (int64_t o = 0; o < block_size; ++o)
+                for (int64_t hk = 0; hk < heads_kv; ++hk) {
+                    T* dks = static_cast<T*>(g.dk) + block[i] * g.dk_block + o * g.dk_tok + hk * g.dk_head;
+                    T* dvs = static_cast<T*>(g.dv) + block[i] * g.dv_block + o * g.dv_tok + hk * g.dv_head;
+                    const int64_t row = o * heads_kv + hk;
+                    for (int64_t e = 0; e < d; ++e) {
+                        float sum = 0.f;
+                        for (int64_t r = group[i]; r < group[i + 1]; ++r)
+                            sum += k[(slot[order[r]] * block_size * heads_kv + row) * d + e];
+                        dks[e] = IO::st(sum);
+                    }
+                    for (int64_t e = 0; e < dv; ++e) {
+                        float sum = 0.f;
+                        for (int64_t r = group[i]; r < group[i + 1]; ++r)
+                            sum += v[(slot[order[r]] * block_size * heads_kv + row) * dv + e];
+                        dvs[e] = IO::st(sum);
+                    }
+                }
+        }
+    }
+};
+
 template <class IO>
-void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
+void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared) {
     typedef typename IO::T T;
     const JsParams& p = g.f;
     const int64_t d = p.head_dim, dv = p.head_dim_v, dp = (d + W - 1) / W * W, dvp = (dv + W - 1) / W * W;
     const int64_t group = p.heads_q / p.heads_kv;
     const int64_t q0 = p.cu_q[b], len_q = p.cu_q[b + 1] - q0;
-    const int64_t len_k = key_count(p, b), k0 = key_start(p, b);
+    const int64_t len_k = key_count(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
     const int64_t rows = group * len_q;  // scratch rows: query head g's row i at g * len_q + i
@@ -916,8 +1013,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
         std::fill(w.vt.begin(), w.vt.end(), 0.f);
         std::fill(w.kr.begin(), w.kr.end(), 0.f);
         for (int j = 0; j < nk; ++j) {
-            const T* ks = static_cast<const T*>(p.k) + (k0 + kb + j) * p.k_tok + hk * p.k_head;
-            const T* vs = static_cast<const T*>(p.v) + (k0 + kb + j) * p.v_tok + hk * p.v_head;
+            const T* ks = static_cast<const T*>(p.k) + key_offset(p, b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
+            const T* vs = static_cast<const T*>(p.v) + key_offset(p, b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
             for (int64_t e = 0; e < d; ++e) {
                 const float x = IO::ld(ks + e);
                 w.kt[e * BK + j] = x;
@@ -981,8 +1078,13 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w) {
             }
         }
         for (int j = 0; j < nk; ++j) {
-            T* dks = static_cast<T*>(g.dk) + (k0 + kb + j) * g.dk_tok + hk * g.dk_head;
-            T* dvs = static_cast<T*>(g.dv) + (k0 + kb + j) * g.dv_tok + hk * g.dv_head;
+            if (float* ak = shared ? shared->k_row(b, kb + j, hk) : nullptr) {  // a shared cache block
+                std::copy(w.dk.data() + j * dp, w.dk.data() + j * dp + d, ak);
+                std::copy(w.dv.data() + j * dvp, w.dv.data() + j * dvp + dv, shared->v_row(b, kb + j, hk));
+                continue;
+            }
+            T* dks = static_cast<T*>(g.dk) + key_offset(p, b, kb + j, g.dk_tok, g.dk_block) + hk * g.dk_head;
+            T* dvs = static_cast<T*>(g.dv) + key_offset(p, b, kb + j, g.dv_tok, g.dv_block) + hk * g.dv_head;
             for (int64_t e = 0; e < d; ++e) dks[e] = IO::st(w.dk[j * dp + e]);
             for (int64_t e = 0; e < dv; ++e) dvs[e] = IO::st(w.dv[j * dvp + e]);
         }
@@ -1011,12 +1113,18 @@ void grad_all(const JsGradParams& g) {
     }
     const int threads = schedule(items, p, int64_t(1) << 17);
     const int64_t n = static_cast<int64_t>(items.size());
+    std::unique_ptr<SharedBlocks> shared;
+    if (p.block_table) {
+        shared = std::make_unique<SharedBlocks>(p);
+        if (shared->block.empty()) shared.reset();  // every block read once: written in place
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         GradScratch w;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) grad_item<IO>(g, items[i].b, items[i].hk, w);
+        for (int64_t i = 0; i < n; ++i) grad_item<IO>(g, items[i].b, items[i].hk, w, shared.get());
     }
+    if (shared) shared->reduce<IO>(g, std::max(1, p.threads));
 }
 
 // 0 when the parameters are usable; 1 bad heads, 4 dropout_p outside [0, 1) (2 bad dtype and
@@ -1041,7 +1149,6 @@ extern "C" int js_attention_forward(const JsParams* p) {
 
 extern "C" int js_attention_backward(const JsGradParams* g) {
     if (const int bad = check(g->f)) return bad;
-    if (g->f.block_table) return 3;  // shared cache blocks would need accumulated dK/dV
     switch (g->f.dtype) {
         case 0: grad_all<F32>(*g); return 0;
         case 1: grad_all<F16>(*g); return 0;
@@ -1050,4 +1157,4 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 6; }
+extern "C" int js_abi_version() { return 7; }

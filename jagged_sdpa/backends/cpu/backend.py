@@ -207,7 +207,8 @@ class CpuFusedBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        """Silent on the usual path (the compiled kernel's forward); says why when the call runs
+        """Silent on the usual path (the compiled kernel's forward, built for this CPU); says which
+        target the kernel was built for when ``JAGGED_SDPA_CPU_ARCH`` names one, why the call runs
         on the torch-op engines instead, when an option moves it to the slower of those, and when a
         strided last dim is copied first (see ``unit_stride``)."""
         notes = []
@@ -219,7 +220,8 @@ class CpuFusedBackend(BackendImpl):
             notes.append("cpu_fused: paged cache with a gradient: the keys it uses are gathered into a packed "
                          "copy for the compiled kernel; dK/dV are summed back into the cache")
         if why_not_native is None:
-            return tuple(notes)
+            target = native.target_note()
+            return tuple(notes) if target is None else (*notes, f"cpu_fused: {target}")
         notes.append(f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence")
         if uses_fused_kernel(spec):
             return tuple(notes)

@@ -1,4 +1,10 @@
-"""CPU benchmark (issue 3): jagged_sdpa against what a CPU user can run today, side by side.
+"""CPU benchmark (issues 3 and 14): jagged_sdpa against what a CPU user can run today, side by side,
+and against this machine's own limits.
+
+Printed first: the CPU (model, vector extensions, CPUs and threads used), torch, the compiler and
+the target the compiled kernel was built for; then the best GEMM rate torch reaches here (fp32: the
+better of torch.matmul and oneDNN's linear; bf16: torch.matmul), measured in the same run on
+attention-like and square shapes, best of the rounds: the yardstick of the "% of GEMM" column.
 
 Contenders, timed interleaved in one process (round r times every contender once, in turn):
   ours      jagged_sdpa.varlen_attention (automatic selection: CPU_FUSED on CPU tensors)
@@ -6,16 +12,28 @@ Contenders, timed interleaved in one process (round r times every contender once
   padded    pad to (B, H, max_len, D) + boolean mask, one dense SDPA call
   loop      one dense SDPA call per sequence (views of the packed buffer)
   bucketed  sort by length, pad within buckets of similar length, one SDPA call per bucket
-Every contender's output (and gradients, for forward+backward rows) is checked against ours.
+  flex      torch.compile'd FlexAttention over the packed batch with a document mask
+            (create_block_mask; compiled once before timing, its compile time and the block mask's
+            build time reported apart; forward only: it has no CPU backward)
+Every contender's output (and gradients, for forward+backward rows) is checked against ours. For
+decode rows (W4) the time of reading the same K/V once (k.sum() + v.sum()) is timed beside them.
+
+GFLOP/s count attention honestly: 4 * D flops per visible (query, key) pair per head forward
+(causal pairs only: about half), forward+backward 3.5x the forward (the backward is 2.5x). Times
+are medians of rounds; the share of the GEMM rate sets our fastest round against the GEMM's
+fastest, so that a busy machine lowers neither side alone.
 
 Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the call; CPU time
 spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
 threads leave free, above 10% of the machine marks the round disturbed, and the round is repeated
 (up to a limit; how many were repeated is printed). Peak extra memory is the rise of the process's peak RSS during one call
 (/proc/self/clear_refs resets the peak), measured after all timings in a fresh process per
-contender where glibc is told to return large blocks to the OS at once.
+contender where glibc is told to return large blocks to the OS at once (not for flex, whose
+compile a fresh process would redo).
 
-Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2] [--threads N]
+At the end, issue 14's targets next to the measured values, met or not.
+
+Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2,tiny] [--threads N] [--no-flex] [--no-memory]
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,12 +57,123 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagged_sdpa  # noqa: E402
+from jagged_sdpa.backends.cpu import native  # noqa: E402
 from workloads import TINY, Workload, make_tensors, standard_workloads  # noqa: E402
 
-CONTENDERS = ("ours", "njt", "padded", "loop", "bucketed")
+CONTENDERS = ("ours", "njt", "padded", "loop", "bucketed", "flex")
 ANCHORS = CONTENDERS[1:]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NCPU = os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the machine, and the best GEMM rate torch reaches on it
+
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def _cpuinfo() -> dict:
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
+def machine_lines() -> list[str]:
+    """What this run ran on: CPU model, vector extensions, CPUs and threads, software versions."""
+    info = _cpuinfo()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else NCPU
+    try:
+        cxx = native._compiler()
+        compiler = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (native.NativeUnavailable, OSError, IndexError) as exc:
+        compiler = f"none ({exc})"
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    return [
+        f"# cpu: {info.get('model name', platform.processor() or platform.machine())}; "
+        f"{cpus} CPUs usable ({info.get('cpu cores', '?')} cores, {info.get('siblings', '?')} logical CPUs per "
+        f"package in /proc/cpuinfo); torch threads {torch.get_num_threads()}",
+        f"# vector extensions: {' '.join(f for f in VECTOR_FLAGS if f in flags) or 'none of ' + ', '.join(VECTOR_FLAGS)}",
+        f"# torch {torch.__version__} (oneDNN {'yes' if torch.backends.mkldnn.is_available() else 'no'}, "
+        f"MKL {'yes' if torch.backends.mkl.is_available() else 'no'}, "
+        f"{torch.backends.cpu.get_cpu_capability()}); compiler: {compiler}",
+        f"# compiled kernel: {native.build_target() or 'not used: ' + str(native.unavailable_reason())}",
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load {load}",
+    ]
+
+
+# (M, K, N): S = Q.K^T of 256 rows against 1024 keys at D = 64, O = P.V, and square GEMMs.
+GEMM_SHAPES = ((256, 64, 1024), (256, 1024, 64), (1024, 1024, 1024), (2048, 2048, 2048))
+QUICK_GEMM_SHAPES = ((256, 64, 1024), (256, 1024, 64), (1024, 1024, 1024))
+
+
+def _gemm_methods(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Closures computing a @ b ((M, K) @ (K, N)) each way torch offers on the CPU for a's dtype:
+    torch.matmul (MKL or oneDNN, torch's choice), and for fp32 oneDNN's linear with the weight
+    packed once (torch.ops.mkldnn._linear_pointwise: what torch.compile'd linears call)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
+    methods = {"matmul": lambda: torch.matmul(a, b, out=out)}
+    if a.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        w = b.t().contiguous()
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, a.shape[0])
+            linear = torch.ops.mkldnn._linear_pointwise
+            linear(a, packed, None, "none", [], "")
+            methods["onednn"] = lambda: linear(a, packed, None, "none", [], "")
+        except (AttributeError, RuntimeError):
+            pass  # an older torch: torch.matmul alone
+    return methods
+
+
+@dataclass
+class Gemm:
+    rates: dict   # (dtype, method, shape) -> best GFLOP/s
+    best: dict    # dtype -> (GFLOP/s, method, shape)
+
+
+def gemm_rates(shapes, rounds: int, min_sample_s: float) -> Gemm:
+    """The best GFLOP/s of each method on each shape (best of ``rounds`` samples: a peak, to
+    compare our medians with), and the best over all per dtype."""
+    gen = torch.Generator().manual_seed(0)
+    rates, best = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            m, k, n = shape
+            a = torch.randn(m, k, generator=gen).to(dtype)
+            b = torch.randn(k, n, generator=gen).to(dtype)
+            for method, fn in _gemm_methods(a, b).items():
+                t0 = time.perf_counter()
+                fn()
+                reps = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
+                seconds = min(timed(fn, reps).seconds for _ in range(rounds))
+                rate = 2.0 * m * k * n / seconds / 1e9
+                rates[(dtype, method, shape)] = rate
+                if rate > best.get(dtype, (0.0,))[0]:
+                    best[dtype] = (rate, method, shape)
+    return Gemm(rates, best)
+
+
+def print_gemm(g: Gemm) -> None:
+    shapes = sorted({s for _, _, s in g.rates}, key=lambda s: s[0] * s[1] * s[2])
+    print("| GEMM GFLOP/s (best of rounds) | " + " | ".join("x".join(map(str, s)) for s in shapes) + " |")
+    print("|---|" + "---:|" * len(shapes))
+    for dtype, method in dict.fromkeys((d, m) for d, m, _ in g.rates):
+        cells = [f"{g.rates[(dtype, method, s)]:.0f}" if (dtype, method, s) in g.rates else "-" for s in shapes]
+        print(f"| {_dt(dtype)} {method} | " + " | ".join(cells) + " |")
+    for dtype, (rate, method, shape) in g.best.items():
+        print(f"# best {_dt(dtype)} GEMM: {rate:.0f} GFLOP/s ({method}, {'x'.join(map(str, shape))})")
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,13 +186,6 @@ def _anchor_causal(w: Workload) -> bool:
     if w.causal and w.alignment == "bottom_right" and all(n == 1 for n in w.q_lengths):
         return False
     return w.causal
-
-
-def _mask_for(lq: int, lk: int, causal: bool, alignment: str) -> Optional[torch.Tensor]:
-    if not causal:
-        return None
-    shift = lk - lq if alignment == "bottom_right" else 0
-    return torch.arange(lk).unsqueeze(0) <= torch.arange(lq).unsqueeze(1) + shift
 
 
 def make_ours(w, q, k, v, cu_q, cu_k):
@@ -161,8 +284,54 @@ def make_njt(w, q, k, v, cu_q, cu_k):
     return run
 
 
+_FLEX = {}  # the one torch.compile'd flex_attention of the process
+
+
+def _positions(cu: torch.Tensor):
+    """(document id, position within it) of every packed row, from cu_seqlens."""
+    lengths = (cu[1:] - cu[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return doc, torch.arange(int(cu[-1])) - cu[:-1].long()[doc]
+
+
+def make_flex(w, q, k, v, cu_q, cu_k):
+    """FlexAttention over the whole packed batch as one (1, H, total, D) sequence: the document
+    mask keeps each query to its own sequence's keys (and causal positions). Building the block
+    mask is per-batch work, timed apart (``run.mask_s``); the closure reuses it."""
+    if w.backward:
+        return None  # FlexAttention has no backward on the CPU (NotImplementedError in torch 2.13)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _FLEX:
+        # Each workload (shapes, dtype, mask) is a compile of its own: keep dynamo from falling
+        # back to eager after its default 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 8, 8, device="cpu")  # first use: ~6 s
+    causal = _anchor_causal(w)
+    q_doc, q_pos = _positions(cu_q)
+    k_doc, k_pos = _positions(cu_k)
+    shift = (cu_k[1:] - cu_k[:-1] - (cu_q[1:] - cu_q[:-1])).long() if w.alignment == "bottom_right" \
+        else torch.zeros(len(cu_q) - 1, dtype=torch.long)
+
+    def document(b, h, qi, ki):
+        same = q_doc[qi] == k_doc[ki]
+        return same & (q_pos[qi] + shift[q_doc[qi]] >= k_pos[ki]) if causal else same
+    t0 = time.perf_counter()
+    mask = create_block_mask(document, None, None, q.shape[0], k.shape[0], device="cpu")
+    mask_s = time.perf_counter() - t0
+    gqa = w.heads != w.heads_kv
+
+    def run():
+        out = _FLEX["fn"](q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                          v.transpose(0, 1).unsqueeze(0), block_mask=mask, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    run.mask_s = mask_s
+    return run
+
+
 MAKERS: dict[str, Callable] = {
     "ours": make_ours, "njt": make_njt, "padded": make_padded, "loop": make_loop, "bucketed": make_bucketed,
+    "flex": make_flex,
 }
 
 
@@ -246,23 +415,51 @@ class Row:
     repeated: int
     rounds: int
     slow: set
+    notes: dict       # contender -> why it did not run, or its setup cost (flex)
+    bests: dict = None  # contender -> fastest round (GEMM shares compare peaks with peaks)
 
 
-def build(w: Workload):
-    """Inputs and every contender's closure for one workload (None where it cannot run)."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def build(w: Workload, names=CONTENDERS):
+    """Inputs and the closures of ``names`` for one workload (None where one cannot run, with
+    the reason in ``notes``)."""
     q, k, v, cu_q, cu_k = make_tensors(w, requires_grad=w.backward)
     grad = torch.randn(q.shape[0], w.heads, w.head_dim, generator=torch.Generator().manual_seed(1)).to(w.dtype)
-    fns = {}
-    for name in CONTENDERS:
-        f = MAKERS[name](w, q, k, v, cu_q, cu_k)
+    fns, notes = {}, {}
+    for name in names:
+        try:
+            f = MAKERS[name](w, q, k, v, cu_q, cu_k)
+        except Exception as exc:  # noqa: BLE001 - flex on an unsupported setup: report it in the row
+            if name != "flex":
+                raise
+            f, notes[name] = None, f"failed to build: {_first_line(exc)}"
         if f is not None and w.backward:
             f = with_backward(f, grad, (q, k, v))
         fns[name] = f
-    return fns, (q, k, v)
+    if "flex" in names and fns.get("flex") is None and "flex" not in notes:
+        notes["flex"] = "no CPU backward in FlexAttention" if w.backward else "not run"
+    return fns, (q, k, v), notes
 
 
-def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int, skip_slow_s: float) -> Row:
-    fns, (q, k, v) = build(w)
+def _is_decode(w: Workload) -> bool:
+    return all(n == 1 for n in w.q_lengths)
+
+
+def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int, skip_slow_s: float,
+                 names=CONTENDERS) -> Row:
+    fns, (q, k, v), notes = build(w, names)
+    if fns.get("flex") is not None:  # compile outside the timing (first call), report its cost
+        t0 = time.perf_counter()
+        try:
+            fns["flex"]()
+            notes["flex"] = f"compile {time.perf_counter() - t0:.1f} s, block mask " \
+                            f"{fns['flex'].mask_s * 1e3:.1f} ms per batch (neither in its time)"
+        except Exception as exc:  # noqa: BLE001 - e.g. inductor cannot compile here: say why
+            fns["flex"], notes["flex"] = None, f"failed: {_first_line(exc)}"
 
     # Agreement (outputs, and dq/dk/dv for backward rows) and calibration.
     ref_out = fns["ours"]()
@@ -281,7 +478,13 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         if err > AGREE_TOL[w.dtype]:
             raise AssertionError(f"{w.name}: {name} disagrees with ours (relative error {err:.2e})")
         reps[name] = max(1, math.ceil(min_sample_s / max(cost[name], 1e-6)))
-    active = [n for n in CONTENDERS if fns[n] is not None]
+    if _is_decode(w):  # the floor of a decode step: reading its K/V once
+        fns["kv_read"] = lambda: (k.sum(), v.sum())
+        t0 = time.perf_counter()
+        fns["kv_read"]()
+        cost["kv_read"] = time.perf_counter() - t0
+        reps["kv_read"] = max(1, math.ceil(min_sample_s / max(cost["kv_read"], 1e-6)))
+    active = [n for n in fns if fns[n] is not None]
     slow = {n for n in active if n != "ours" and cost[n] > skip_slow_s}
 
     # A contender slower than skip_slow_s per call is timed once: its calibration call.
@@ -299,7 +502,7 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         for name, s in round_samples.items():
             samples[name].append(s.seconds)
     medians = {n: statistics.median(s) for n, s in samples.items()}
-    return Row(w, medians, {}, errors, repeated, rounds, slow)
+    return Row(w, medians, {}, errors, repeated, rounds, slow, notes, {n: min(s) for n, s in samples.items()})
 
 
 def _memory_child(w: Workload, name: str, threads: int) -> int:
@@ -309,12 +512,12 @@ def _memory_child(w: Workload, name: str, threads: int) -> int:
     torch.set_num_threads(threads)
     if platform.system() == "Linux":
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    fns, _ = build(w)
+    fns, _, _ = build(w, (name,))
     return peak_extra_bytes(fns[name])
 
 
 def measure_memory(row: Row) -> None:
-    """Peak extra memory of each contender (slow ones skipped), into ``row.memory``.
+    """Peak extra memory of each contender (slow ones and flex skipped), into ``row.memory``.
 
     Each contender runs in a fresh process: in one long-lived process the heap left by earlier
     rows (arenas of other threads, cached blocks) made the same call read 11.5 MiB or 29.7 MiB
@@ -322,8 +525,7 @@ def measure_memory(row: Row) -> None:
     """
     import concurrent.futures
     import multiprocessing
-    fns, _ = build(row.workload)
-    names = [n for n, f in fns.items() if f is not None and n not in row.slow]
+    names = [n for n in row.medians if n in CONTENDERS and n != "flex" and n not in row.slow]
     row.memory = {}
     for n in names:
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -335,18 +537,25 @@ def measure_memory(row: Row) -> None:
 
 
 def tiny_rows(reps: int, rounds: int) -> dict:
+    """Per-call seconds of the tiny batch: ours (sdpa on NJTs, varlen on packed), NJT SDPA, the
+    padded and loop contenders, and one dense SDPA call on the batch already padded to (B, H,
+    max_len, D) without a mask: the floor of a PyTorch attention call of this size."""
     w = TINY
     q, k, v, cu_q, cu_k = make_tensors(w)
     njts = [torch.nested.nested_tensor_from_jagged(x, offsets=cu_q.long()).transpose(1, 2) for x in (q, k, v)]
+    dense = [torch.randn(len(w.q_lengths), w.heads, max(w.q_lengths), w.head_dim) for _ in range(3)]
     fns = {
         "ours (sdpa, NJT)": lambda: jagged_sdpa.sdpa(*njts),
         "ours (varlen)": lambda: jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 10, 10),
         "njt": lambda: F.scaled_dot_product_attention(*njts),
         "padded": make_padded(w, q, k, v, cu_q, cu_k),
         "loop": make_loop(w, q, k, v, cu_q, cu_k),
+        "dense SDPA": lambda: F.scaled_dot_product_attention(*dense),
     }
     ref = fns["njt"]().transpose(1, 2).values()
     for name, f in fns.items():
+        if name == "dense SDPA":
+            continue  # another computation (padded keys unmasked): a cost floor, not a contender
         out = f()
         out = out.transpose(1, 2).values() if out.is_nested else out
         assert agree(out, ref, torch.float32) < 1e-4, name
@@ -364,7 +573,7 @@ def tiny_rows(reps: int, rounds: int) -> dict:
 def _label(w: Workload) -> str:
     parts = [w.name]
     if w.dtype != torch.float32:
-        parts.append(str(w.dtype).replace("torch.", ""))
+        parts.append(_dt(w.dtype))
     if w.causal and w.name != "W4":
         parts.append("causal")
     parts.append("fwd+bwd" if w.backward else "fwd")
@@ -372,67 +581,152 @@ def _label(w: Workload) -> str:
 
 
 def _ms(x):
-    return "refused" if x is None else f"{x * 1e3:.1f}"
+    return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def print_table(rows: list[Row], tiny: Optional[dict]) -> None:
-    print("| workload | ours | NJT SDPA | padded+mask | loop | bucketed | best anchor | best/ours | ours GFLOP/s | "
-          "peak MiB ours / loop | repeated rounds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+def _best_contender(r: Row) -> tuple[str, float]:
+    anchors = {n: r.medians[n] for n in ANCHORS if n in r.medians}
+    best = min(anchors, key=anchors.get)
+    return best, anchors[best]
+
+
+def _gflops(r: Row, best: bool = False) -> float:
+    """Our GFLOP/s in the median round, or in the fastest (``best``: to set against the GEMM
+    rate, itself the fastest round, so that a busy machine lowers neither alone)."""
+    return r.workload.flops() / (r.bests if best and r.bests else r.medians)["ours"] / 1e9
+
+
+def print_table(rows: list[Row], gemm: Optional[Gemm]) -> None:
+    print("| workload | ours ms | GFLOP/s | best GFLOP/s (% of GEMM) | NJT SDPA | padded+mask | loop | bucketed | flex | "
+          "best contender | best/ours | peak MiB ours / loop | repeated rounds |")
+    print("|---|" + "---:|" * 3 + "---:|" * 5 + "---|---:|---|---:|")
     for r in rows:
         m = r.medians
-        anchors = {n: m[n] for n in ANCHORS if n in m}
-        best = min(anchors, key=anchors.get)
-        mem = f"{r.memory.get('ours', 0) / 2**20:.1f} / {r.memory.get('loop', 0) / 2**20:.1f}"
-        gflops = r.workload.flops() / m["ours"] / 1e9
-        print(f"| {_label(r.workload)} | {_ms(m['ours'])} | {_ms(m.get('njt'))} | {_ms(m['padded'])} | "
-              f"{_ms(m['loop'])} | {_ms(m['bucketed'])} | {best} | {anchors[best] / m['ours']:.2f}x | "
-              f"{gflops:.0f} | {mem} | {r.repeated} |")
+        best, best_s = _best_contender(r)
+        mem = f"{r.memory['ours'] / 2**20:.1f} / {r.memory['loop'] / 2**20:.1f}" if "loop" in r.memory else "-"
+        share = f"{_gflops(r, True):.0f} ({100 * _gflops(r, True) / gemm.best[r.workload.dtype][0]:.0f}%)" if gemm \
+            else "-"
+        print(f"| {_label(r.workload)} | {_ms(m['ours'])} | {_gflops(r):.0f} | {share} | {_ms(m.get('njt'))} | "
+              f"{_ms(m.get('padded'))} | {_ms(m.get('loop'))} | {_ms(m.get('bucketed'))} | {_ms(m.get('flex'))} | "
+              f"{best} | {best_s / m['ours']:.2f}x | {mem} | {r.repeated} |")
+    for r in rows:
+        if "kv_read" in r.medians:
+            print(f"# {_label(r.workload)}: reading its K/V once (k.sum() + v.sum()) {_ms(r.medians['kv_read'])} ms, "
+                  f"ours {r.medians['ours'] / r.medians['kv_read']:.2f}x that")
+        for name, note in r.notes.items():
+            print(f"# {_label(r.workload)}: {name}: {note}")
+
+
+def print_tiny(tiny: dict) -> None:
+    print("| tiny call (us per call) | " + " | ".join(tiny) + " |")
+    print("|---|" + "---:|" * len(tiny))
+    print("| B=4, lengths 6..10, H=2, D=16 | " + " | ".join(f"{t * 1e6:.0f}" for t in tiny.values()) + " |")
+
+
+# Issue 14's targets: (text, workload label, kind, bound). Kinds: "gemm" (share of the dtype's
+# GEMM rate, at least), "kv" (time over reading K/V, at most).
+TARGETS = (
+    ("W1 fp32 fwd >= 70% of fp32 GEMM", "W1 fwd", "gemm", 0.70),
+    ("W3 fp32 fwd >= 70% of fp32 GEMM", "W3 fwd", "gemm", 0.70),
+    ("W1 fp32 fwd+bwd >= 50% of fp32 GEMM", "W1 fwd+bwd", "gemm", 0.50),
+    ("W5 bf16 fwd >= 60% of bf16 GEMM", "W5 bfloat16 fwd", "gemm", 0.60),
+    ("W5 bf16 fwd+bwd >= 45% of bf16 GEMM", "W5 bfloat16 fwd+bwd", "gemm", 0.45),
+    ("W4 decode <= 2x reading its K/V", "W4 fwd", "kv", 2.0),
+)
+
+
+def target_rows(rows: list[Row], gemm: Optional[Gemm], tiny: Optional[dict]) -> list[tuple[str, str, str]]:
+    """(target, measured, met) for every target this run measured."""
+    by_label = {_label(r.workload): r for r in rows}
+    out = []
+    for text, label, kind, bound in TARGETS:
+        r = by_label.get(label)
+        if r is None:
+            continue
+        if kind == "gemm":
+            if gemm is None:
+                continue
+            rate = gemm.best[r.workload.dtype][0]
+            share = _gflops(r, True) / rate
+            out.append((text, f"{100 * share:.0f}% ({_gflops(r, True):.0f} of {rate:.0f} GFLOP/s, fastest rounds)",
+                        "met" if share >= bound else "unmet"))
+        else:
+            ratio = r.medians["ours"] / r.medians["kv_read"]
+            out.append((text, f"{ratio:.2f}x ({_ms(r.medians['ours'])} vs {_ms(r.medians['kv_read'])} ms)",
+                        "met" if ratio <= bound else "unmet"))
     if tiny:
-        ours = tiny["ours (sdpa, NJT)"]
-        print()
-        print("| tiny call (us per call) | " + " | ".join(tiny) + " | NJT / ours (sdpa) |")
-        print("|---|" + "---|" * (len(tiny) + 1))
-        print("| B=4, lengths 6..10, H=2, D=16 | " + " | ".join(f"{t * 1e6:.0f}" for t in tiny.values())
-              + f" | {tiny['njt'] / ours:.1f}x |")
+        ratio = tiny["ours (varlen)"] / tiny["dense SDPA"]
+        out.append(("tiny varlen <= 3x one dense SDPA call",
+                    f"{ratio:.1f}x ({tiny['ours (varlen)'] * 1e6:.0f} vs {tiny['dense SDPA'] * 1e6:.0f} us)",
+                    "met" if ratio <= 3 else "unmet"))
+        ratio = tiny["njt"] / tiny["ours (sdpa, NJT)"]
+        out.append(("tiny sdpa <= 1/20 of NJT SDPA's time",
+                    f"1/{ratio:.1f} ({tiny['ours (sdpa, NJT)'] * 1e6:.0f} vs {tiny['njt'] * 1e6:.0f} us)",
+                    "met" if ratio >= 20 else "unmet"))
+    if rows:
+        ratios = {_label(r.workload): _best_contender(r)[1] / r.medians["ours"] for r in rows}
+        below = [f"{label} {x:.2f}x" for label, x in ratios.items() if x < 1.0]
+        worst = min(ratios, key=ratios.get)
+        out.append(("every row >= 1.0x the fastest contender",
+                    f"lowest {worst} {ratios[worst]:.2f}x" + (f"; below: {', '.join(below)}" if below else ""),
+                    "unmet" if below else "met"))
+    return out
 
 
-def main(argv=None) -> None:
+def print_targets(targets) -> None:
+    print("| issue-14 target | measured | |")
+    print("|---|---|---|")
+    for text, measured, met in targets:
+        print(f"| {text} | {measured} | {met} |")
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds, short samples (about a minute)")
-    parser.add_argument("--only", default="", help="comma-separated workload names, e.g. W1,W2")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, short samples, smaller GEMMs")
+    parser.add_argument("--only", default="", help="comma-separated workload names, e.g. W1,W2,tiny")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-flex", action="store_true", help="leave out FlexAttention (its compiles take minutes)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds, min_sample, retries = (3, 0.03, 1) if args.quick else (7, 0.1, 4)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  cpus {NCPU}  {platform.processor() or platform.machine()}  "
-          f"load {' '.join(load)}  rounds {rounds}")
+    names = tuple(n for n in CONTENDERS if not (args.no_flex and n == "flex"))
+    for line in machine_lines():
+        print(line)
+    print(f"# rounds {rounds}; medians of rounds for attention, best of rounds for GEMMs", flush=True)
+    gemm = gemm_rates(QUICK_GEMM_SHAPES if args.quick else GEMM_SHAPES, rounds, min_sample)
+    print_gemm(gemm)
     torch.set_grad_enabled(True)
     rows = []
     for w in standard_workloads():
         if only and w.name not in only:
             continue
-        row = run_workload(w, rounds, min_sample, retries, skip_slow_s=1.0 if args.quick else 3.0)
+        row = run_workload(w, rounds, min_sample, retries, skip_slow_s=1.0 if args.quick else 3.0, names=names)
         rows.append(row)
         print(f"  {_label(w)}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.medians.items())
               + f"  (ms; repeated {row.repeated})", flush=True)
     # Memory last, each contender in a fresh process: fixing glibc's mmap threshold there makes
     # freed large blocks leave RSS at once (so the peak is measurable) but turns every large
     # allocation into fresh page faults, which would distort timings (2.5x on our bf16 path).
-    for row in rows:
-        measure_memory(row)
+    if not args.no_memory:
+        for row in rows:
+            measure_memory(row)
     tiny = None
     if not only or "tiny" in only:
         with torch.no_grad():
             tiny = tiny_rows(reps=200 if args.quick else 1000, rounds=rounds)
     print()
-    print_table(rows, tiny)
+    if rows:
+        print_table(rows, gemm)
+        print()
+    if tiny:
+        print_tiny(tiny)
+        print()
+    print_targets(target_rows(rows, gemm, tiny))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

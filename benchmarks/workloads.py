@@ -1,4 +1,4 @@
-"""Shared benchmark workloads W1..W4 (issue 3): one definition of every length set and shape.
+"""Shared benchmark workloads W1..W5 (issues 3 and 14): one definition of every length set and shape.
 
 Lengths are drawn with numpy's ``default_rng(seed)`` so that every benchmark (CPU, GPU) and every
 run sees the same batches; W1 with seed 0 gives lengths 47..851, as in the issue's baseline table.
@@ -82,17 +82,19 @@ W2 = Workload("W2", W2_LENGTHS, description="64 seqs uniform 8..128")
 W3 = Workload("W3", W3_LENGTHS, description="7 x 64 + 1 x 2048")
 W4 = Workload("W4", (1,) * 32, W4_KV_LENGTHS, causal=True, alignment="bottom_right",
               description="decode: 32 requests, 1 query each, 64..1024 keys, bottom-right causal")
+# Issue 14's bf16 workload: W1's batch in bfloat16 (the rows earlier runs called "W1 bfloat16").
+W5 = Workload("W5", W1_LENGTHS, dtype=torch.bfloat16, description="W1's 16 seqs in bfloat16")
 TINY = Workload("tiny", (6, 8, 10, 7), heads=2, head_dim=16, description="B=4, lengths 6..10, H=2, D=16")
 
 
 def standard_workloads() -> list[Workload]:
-    """The issue's table, in its order: fp32 forward and forward+backward, then W1 in bf16."""
+    """The issue's table, in its order: fp32 forward and forward+backward, then W5 (W1 in bf16)."""
     rows = [
         W1, W1.with_(causal=True), W1.with_(backward=True), W1.with_(causal=True, backward=True),
         W2, W2.with_(backward=True),
         W3, W3.with_(backward=True),
         W4,
-        W1.with_(dtype=torch.bfloat16), W1.with_(dtype=torch.bfloat16, backward=True),
+        W5, W5.with_(backward=True),
     ]
     return rows
 

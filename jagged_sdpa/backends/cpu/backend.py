@@ -179,7 +179,8 @@ class CpuFusedBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        """Silent on the usual path (the compiled kernel's forward); says why when the call runs
+        """Silent on the usual path (the compiled kernel's forward, built for this CPU); says which
+        target the kernel was built for when ``JAGGED_SDPA_CPU_ARCH`` names one, why the call runs
         on the torch-op engines instead, when an option moves it to the slower of those, and when a
         strided last dim is copied first (see ``unit_stride``)."""
         notes = []
@@ -188,7 +189,8 @@ class CpuFusedBackend(BackendImpl):
             spec = spec.replace(last_dim_contiguous=True)
         why_not_native = native_forward_reason(spec)
         if why_not_native is None:
-            return tuple(notes)
+            target = native.target_note()
+            return tuple(notes) if target is None else (*notes, f"cpu_fused: {target}")
         notes.append(f"cpu_fused: compiled kernel not used ({why_not_native}): torch-op engines run per sequence")
         if uses_fused_kernel(spec):
             return tuple(notes)

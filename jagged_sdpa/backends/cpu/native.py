@@ -7,9 +7,12 @@ call of the compiled kernel runs a whole ragged batch on torch's own OpenMP thre
 
 The build needs only a C++ compiler (``$CXX``, else ``g++``/``c++``): no torch headers, so it
 takes ~3 s, once per machine. The library is cached under ``$JAGGED_SDPA_CACHE`` (default
-``~/.cache/jagged_sdpa``) by a hash of the source, the compiler and this CPU's flags (it is built
-with ``-march=native``). Without a compiler, or with ``JAGGED_SDPA_NATIVE=0``, the CPU path keeps
-its torch-op engines and ``explain`` says why.
+``~/.cache/jagged_sdpa``) by a hash of the source, the flags, the compiler and (for ``native``) this
+CPU's flags. ``JAGGED_SDPA_CPU_ARCH`` picks the ``-march`` target (default ``native``; e.g.
+``x86-64-v3`` for a library that runs on any AVX2 machine, which CI builds to test the kernel
+without AVX-512). Without a compiler, with a target the compiler refuses or this CPU cannot run, or
+with ``JAGGED_SDPA_NATIVE=0``, the CPU path keeps its torch-op engines and ``explain`` says why:
+a failed build is a reason, never an error.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -31,7 +35,8 @@ from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+FLAGS = ("-O3", "-march={arch}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # JAGGED_SDPA_SANITIZE=address,undefined (tests/test_sanitizers.py) builds a separate, instrumented
 # library: every out-of-bounds read or undefined behaviour aborts with a report. It only loads into
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
@@ -97,8 +102,14 @@ _STATE: dict = {}
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
+    """``$CXX`` when set (one that is missing is a reason: the user asked for it), else g++ or c++."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        if shutil.which(cxx):
+            return cxx
+        raise NativeUnavailable(f"no C++ compiler: CXX={cxx} not found")
+    for name in ("g++", "c++"):
+        if shutil.which(name):
             return name
     raise NativeUnavailable("no C++ compiler found (set CXX, or install g++)")
 
@@ -119,24 +130,49 @@ def cache_dir() -> Path:
     return Path(base) / "jagged_sdpa"
 
 
-def _flags() -> tuple[tuple[str, ...], str]:
+def target_arch() -> str:
+    """The ``-march`` target: ``$JAGGED_SDPA_CPU_ARCH``, default ``native``. Only the spelling is
+    checked here (it becomes a file name and a flag); the compiler judges the value."""
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", arch):
+        raise NativeUnavailable(f"{ARCH_ENV}={arch!r} is not a -march value (e.g. native, x86-64-v3)")
+    return arch
+
+
+def _flags(arch: str) -> tuple[tuple[str, ...], str]:
     """The compiler flags and a file-name tag: the shipped build, or the sanitizer build."""
+    flags = tuple(f.format(arch=arch) for f in FLAGS)
     sanitize = os.environ.get(SANITIZE_ENV)
     if not sanitize:
-        return FLAGS, ""
-    flags = tuple(f for f in FLAGS if f != "-O3") + SANITIZE_FLAGS + (f"-fsanitize={sanitize}",)
-    return flags, "sanitize-"
+        return flags, f"{arch}-"
+    flags = tuple(f for f in flags if f != "-O3") + SANITIZE_FLAGS + (f"-fsanitize={sanitize}",)
+    return flags, f"sanitize-{arch}-"
 
 
-def _build() -> Path:
-    cxx = _compiler()
-    flags, tag = _flags()
+def _compile_error(stderr: str) -> str:
+    """The compiler's first error line (a bad -march is followed by a screen of valid values)."""
+    errors = [line.strip() for line in stderr.splitlines() if "error" in line]
+    return errors[0][:400] if errors else stderr.strip()[-400:]
+
+
+def _library_file(cxx: str, arch: str) -> tuple[Path, tuple[str, ...]]:
+    """Where the library for (compiler, target) is cached, and its flags. The key hashes the
+    source, the flags (the target among them), the compiler's version and, for ``native`` only,
+    this CPU's flags: a named target builds the same library on every machine."""
+    flags, tag = _flags(arch)
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{cxx} --version failed: {exc}") from None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode())
-    target = cache_dir() / f"attention-{tag}{key.hexdigest()[:16]}.so"
+    machine = _cpu_flags() if arch == "native" else ""
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, machine]).encode())
+    return cache_dir() / f"attention-{tag}{key.hexdigest()[:16]}.so", flags
+
+
+def _build() -> Path:
+    cxx = _compiler()
+    arch = target_arch()
+    target, flags = _library_file(cxx, arch)
     if target.exists():
         return target
     try:
@@ -148,10 +184,11 @@ def _build() -> Path:
     try:
         proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if proc.returncode:
-            raise NativeUnavailable(f"{cxx} failed to build {SOURCE.name}: {proc.stderr.strip()[-400:]}")
+            raise NativeUnavailable(f"{cxx} failed to build {SOURCE.name} for -march={arch}: "
+                                    f"{_compile_error(proc.stderr)}")
         os.replace(tmp, target)  # atomic: concurrent builders each install a whole library
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"building {SOURCE.name} failed: {exc}") from None
+        raise NativeUnavailable(f"building {SOURCE.name} for -march={arch} failed: {exc}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -168,11 +205,20 @@ def _load():
         raise NativeUnavailable(f"loading {path} failed: {exc}") from None
     if lib.js_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{path} has ABI {lib.js_abi_version()}, expected {ABI_VERSION}")
+    # Loading runs none of the kernel's instructions; the first call would die of SIGILL where the
+    # target (another machine's -march) uses an instruction set this CPU lacks.
+    lib.js_build_isa.restype = ctypes.c_char_p
+    isa = tuple(lib.js_build_isa().decode().split())
+    arch = target_arch()
+    cpu = set(_cpu_flags().split())
+    missing = [f for f in isa if cpu and f not in cpu]
+    if missing:
+        raise NativeUnavailable(f"built for -march={arch}, which uses {' '.join(missing)}: this CPU lacks it")
     lib.js_attention_forward.argtypes = [ctypes.POINTER(_Params)]
     lib.js_attention_forward.restype = ctypes.c_int
     lib.js_attention_backward.argtypes = [ctypes.POINTER(_GradParams)]
     lib.js_attention_backward.restype = ctypes.c_int
-    _STATE["path"] = path
+    _STATE["path"], _STATE["arch"], _STATE["isa"] = path, arch, isa
     return lib
 
 
@@ -197,6 +243,21 @@ def library_path() -> Optional[Path]:
 def unavailable_reason() -> Optional[str]:
     library()
     return _STATE["why"]
+
+
+def build_target() -> Optional[str]:
+    """What the loaded library was built for, e.g. ``-march=x86-64-v3 (avx avx2 fma f16c ...)``:
+    the target and the instruction sets the compiler enabled (None when there is no library)."""
+    if library() is None:
+        return None
+    return f"-march={_STATE['arch']} ({' '.join(_STATE['isa']) or 'baseline instructions'})"
+
+
+def target_note() -> Optional[str]:
+    """``explain``'s note when the library was built for a named target instead of this CPU."""
+    if library() is None or _STATE["arch"] == "native":
+        return None
+    return f"compiled kernel built for {build_target()} by {ARCH_ENV}, not for this CPU (-march=native)"
 
 
 def reset() -> None:

@@ -1,12 +1,13 @@
 // Ragged attention on the CPU, forward and backward, compiled for this machine (native.py builds
-// it with g++ -O3 -march=native -fopenmp on first use and binds it with ctypes).
+// it with g++ -O3 -march=native -fopenmp on first use, or for the -march in $JAGGED_SDPA_CPU_ARCH,
+// and binds it with ctypes).
 //
 // Why our own kernel: PyTorch's fused CPU kernel calls MKL sgemm, which on this AMD CPU runs its
 // AVX2 path (89 GFLOP/s a core, where a register-only AVX-512 FMA loop reaches 335), and every
 // torch-op engine pays Python and dispatch per sequence. Here one call walks a whole ragged batch
 // on OpenMP threads (the same runtime as torch's), with register-tiled micro-kernels written with
-// GCC vector extensions (AVX-512 under -march=native here, narrower vectors elsewhere) and an
-// online softmax over blocks of 64 keys.
+// GCC vector extensions (a vector is one AVX-512 register here, two AVX2 or four SSE ones elsewhere)
+// and an online softmax over blocks of 64 keys.
 //
 // Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
 // strides and a contiguous last dim, or k/v as a paged cache read through a block table (both
@@ -55,14 +56,65 @@ constexpr int BK = 64;       // keys per block (4 vectors): packed K^T and V of 
 constexpr int QCHUNK = 256;  // query rows per work item: each key block is packed once for them
 constexpr int R = 6;         // query rows per micro-tile (24 accumulators of 16 floats)
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+// A vector is W = 16 floats. With AVX-512 it is one register. With narrower registers (AVX2,
+// SSE, NEON) it is a struct of 64 / JS_VEC_BYTES native vectors: GCC has no register for a 64-byte
+// vector type there and keeps it in memory, which ran the tiles of an x86-64-v3 build 24x slower
+// (3 GFLOP/s on W1). The tile code sees the same type and operators either way.
+#if defined(__AVX512F__)
+#define JS_VEC_BYTES 64
+#elif defined(__AVX__)
+#define JS_VEC_BYTES 32
+#else
+#define JS_VEC_BYTES 16
+#endif
+template <class E, int Bytes>
+struct Native {
+    typedef E type __attribute__((vector_size(Bytes)));
+};
+typedef Native<float, JS_VEC_BYTES>::type nvf;    // one register of floats
+typedef Native<int32_t, JS_VEC_BYTES>::type nvi;  // one register of int32
+constexpr int NL = JS_VEC_BYTES / 4;                // lanes of a register
+constexpr int NP = W / NL;                          // registers per vector
 
-inline vf splat(float x) { return vf{} + x; }
-inline vf loadu(const float* p) { vf r; std::memcpy(&r, p, sizeof r); return r; }
+#if JS_VEC_BYTES == 64
+typedef nvf vf;
+typedef nvi vi;
+template <class F>
+inline vf build(F&& part) { return part(0); }
+inline vf select(vi m, vf a, vf b) { return m ? a : b; }
+inline vi as_int(vf x) { vi r; std::memcpy(&r, &x, sizeof r); return r; }
+inline vf as_float(vi x) { vf r; std::memcpy(&r, &x, sizeof r); return r; }
+#else
+struct vf { nvf h[NP]; };
+struct vi { nvi h[NP]; };
+#define JS_PARTS(r, expr) \
+    for (int i_ = 0; i_ < NP; ++i_) r.h[i_] = (expr)
+template <class F>
+inline vf build(F&& part) { vf r; JS_PARTS(r, part(i_)); return r; }
+inline vf operator+(vf a, vf b) { JS_PARTS(a, a.h[i_] + b.h[i_]); return a; }
+inline vf operator-(vf a, vf b) { JS_PARTS(a, a.h[i_] - b.h[i_]); return a; }
+inline vf operator*(vf a, vf b) { JS_PARTS(a, a.h[i_] * b.h[i_]); return a; }
+inline vf& operator+=(vf& a, vf b) { return a = a + b; }
+inline vi operator<(vf a, vf b) { vi r; JS_PARTS(r, a.h[i_] < b.h[i_]); return r; }
+inline vi operator>(vf a, vf b) { return b < a; }
+inline vi operator+(vi a, int32_t b) { JS_PARTS(a, a.h[i_] + b); return a; }
+inline vi operator-(vi a, int32_t b) { JS_PARTS(a, a.h[i_] - b); return a; }
+inline vi& operator-=(vi& a, int32_t b) { return a = a - b; }
+inline vi operator<<(vi a, int b) { JS_PARTS(a, a.h[i_] << b); return a; }
+inline vf select(vi m, vf a, vf b) { vf r; JS_PARTS(r, m.h[i_] ? a.h[i_] : b.h[i_]); return r; }
+inline vi as_int(vf x) { vi r; JS_PARTS(r, reinterpret_cast<nvi>(x.h[i_])); return r; }
+inline vf as_float(vi x) { vf r; JS_PARTS(r, reinterpret_cast<nvf>(x.h[i_])); return r; }
+#undef JS_PARTS
+#endif
+
+inline vf splat(float x) { return build([x](int) { return nvf{} + x; }); }
+inline vf loadu(const float* p) {
+    return build([p](int i) { nvf r; std::memcpy(&r, p + i * NL, sizeof r); return r; });
+}
 inline void storeu(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmax(vf a, vf b) { return select(a > b, a, b); }
 
+#if JS_VEC_BYTES == 64
 // Horizontal max and sum as trees of shuffles (a chain of 16 scalar steps costs ~4x more).
 inline float hmax(vf x) {
     x = vmax(x, __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
@@ -78,17 +130,33 @@ inline float hsum(vf x) {
     x += __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return x[0];
 }
+#else
+// The registers folded into one, then its lanes (8 or 4).
+inline float hmax(vf x) {
+    nvf m = x.h[0];
+    for (int i = 1; i < NP; ++i) m = m > x.h[i] ? m : x.h[i];
+    float r = m[0];
+    for (int j = 1; j < NL; ++j) r = r > m[j] ? r : m[j];
+    return r;
+}
+inline float hsum(vf x) {
+    nvf s = x.h[0];
+    for (int i = 1; i < NP; ++i) s += x.h[i];
+    float r = s[0];
+    for (int j = 1; j < NL; ++j) r += s[j];
+    return r;
+}
+#endif
 
 // exp(x) to ~1 ulp for x <= 88 (Cephes expf); exactly 0 below -87.33, so exp(-inf) = 0.
 inline vf vexp(vf x) {
     const vf lo = splat(-87.33654f);
     const vi under = x < lo;
-    x = x < lo ? lo : x;
+    x = select(under, lo, x);
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     vf t = x * splat(1.44269504088896341f) + magic;
     vf n = t - magic;
-    vi ni;
-    std::memcpy(&ni, &t, sizeof ni);
+    vi ni = as_int(t);
     ni -= 0x4B400000;  // the integer n in the low bits of t
     vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
     vf p = splat(1.9875691500E-4f);
@@ -98,11 +166,8 @@ inline vf vexp(vf x) {
     p = p * r + splat(1.6666665459E-1f);
     p = p * r + splat(5.0000001201E-1f);
     vf y = p * r * r + r + splat(1.0f);
-    vi bits = (ni + 127) << 23;
-    vf scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    y = y * scale;
-    return under ? splat(0.0f) : y;
+    y = y * as_float((ni + 127) << 23);
+    return select(under, splat(0.0f), y);
 }
 
 // Element access for the three input dtypes; computation is float32.
@@ -117,10 +182,11 @@ struct F16 {
     typedef _Float16 T;
     static float ld(const T* p) { return static_cast<float>(*p); }
     static vf ld16(const T* p) {
-        typedef _Float16 vh __attribute__((vector_size(32)));
-        vh h;
-        std::memcpy(&h, p, sizeof h);
-        return __builtin_convertvector(h, vf);
+        return build([p](int i) {
+            typename Native<_Float16, JS_VEC_BYTES / 2>::type h;
+            std::memcpy(&h, p + i * NL, sizeof h);
+            return __builtin_convertvector(h, nvf);
+        });
     }
     static T st(float x) { return static_cast<_Float16>(x); }
 };
@@ -133,13 +199,11 @@ struct BF16 {
         return f;
     }
     static vf ld16(const T* p) {
-        typedef uint16_t vu __attribute__((vector_size(32)));
-        vu h;
-        std::memcpy(&h, p, sizeof h);
-        vi b = __builtin_convertvector(h, vi) << 16;
-        vf f;
-        std::memcpy(&f, &b, sizeof f);
-        return f;
+        return build([p](int i) {
+            typename Native<uint16_t, JS_VEC_BYTES / 2>::type h;
+            std::memcpy(&h, p + i * NL, sizeof h);
+            return reinterpret_cast<nvf>(__builtin_convertvector(h, nvi) << 16);
+        });
     }
     static T st(float x) {  // round to nearest even; NaN stays NaN
         uint32_t b;
@@ -1158,3 +1222,67 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
 }
 
 extern "C" int js_abi_version() { return 7; }
+
+// The instruction sets the compiler was allowed to use here (-march), named as in /proc/cpuinfo:
+// native.py refuses to load a library whose target this CPU cannot run, and reports the list.
+extern "C" const char* js_build_isa() {
+    return ""
+#if defined(__SSE4_2__)
+        " sse4_2"
+#endif
+#if defined(__POPCNT__)
+        " popcnt"
+#endif
+#if defined(__SSE4A__)
+        " sse4a"
+#endif
+#if defined(__AVX__)
+        " avx"
+#endif
+#if defined(__AVX2__)
+        " avx2"
+#endif
+#if defined(__FMA__)
+        " fma"
+#endif
+#if defined(__FMA4__)
+        " fma4"
+#endif
+#if defined(__F16C__)
+        " f16c"
+#endif
+#if defined(__BMI__)
+        " bmi1"
+#endif
+#if defined(__BMI2__)
+        " bmi2"
+#endif
+#if defined(__AVX512F__)
+        " avx512f"
+#endif
+#if defined(__AVX512DQ__)
+        " avx512dq"
+#endif
+#if defined(__AVX512CD__)
+        " avx512cd"
+#endif
+#if defined(__AVX512BW__)
+        " avx512bw"
+#endif
+#if defined(__AVX512VL__)
+        " avx512vl"
+#endif
+#if defined(__AVX512VNNI__)
+        " avx512_vnni"
+#endif
+#if defined(__AVX512VBMI__)
+        " avx512vbmi"
+#endif
+#if defined(__AVX512BF16__)
+        " avx512_bf16"
+#endif
+#if defined(__AVX512FP16__)
+        " avx512_fp16"
+#endif
+        ;
+}

@@ -1,0 +1,66 @@
+"""``benchmarks/bench_cpu.py --quick`` end to end on a small selection (W4 decode and the tiny call;
+no FlexAttention, whose compile takes minutes, and no memory processes): the machine lines, the
+GEMM yardstick, a workload row with its K/V read floor, the tiny call and the targets table. The
+benchmark checks every contender's output against ours before timing it, so a run is also a test.
+Plus the FLOP count and the targets' arithmetic on made-up timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_cpu", os.path.join(ROOT, "benchmarks", "bench_cpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
+    bench = _bench()
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--only", "W4,tiny", "--no-flex", "--no-memory", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert re.search(r"^# cpu: .+; \d+ CPUs usable .+torch threads 1$", out, re.M), out[:2000]
+    assert "# vector extensions: " in out and "# compiled kernel: -march=" in out
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
+    assert re.search(r"^\| W4 fwd \| [\d.]+ \| \d+ \| \d+ \(\d+%\) \|", out, re.M), out
+    assert re.search(r"^# W4 fwd: reading its K/V once \(k.sum\(\) \+ v.sum\(\)\) [\d.]+ ms, ours [\d.]+x that$", out,
+                     re.M), out
+    assert "| dense SDPA |" in out
+    for target in ("W4 decode <= 2x reading its K/V", "tiny varlen <= 3x one dense SDPA call",
+                   "tiny sdpa <= 1/20 of NJT SDPA's time", "every row >= 1.0x the fastest contender"):
+        assert re.search(rf"^\| {re.escape(target)} \| .+ \| (met|unmet) \|$", out, re.M), (target, out[-2000:])
+    assert "W1 fp32 fwd" not in out  # W1 was not run: its target is left out, not guessed
+
+
+def test_flops_count_visible_pairs_and_targets_compare_with_the_bounds():
+    bench = _bench()
+    from workloads import W1, W4
+    causal = W1.with_(causal=True)
+    assert W1.flops() == 4 * 64 * 8 * sum(n * n for n in W1.q_lengths)
+    assert causal.flops() == 4 * 64 * 8 * sum(n * (n + 1) // 2 for n in W1.q_lengths)
+    assert W1.with_(backward=True).flops() == 3.5 * W1.flops()
+    gemm = bench.Gemm({}, {torch.float32: (100.0, "matmul", (1, 1, 1))})
+    ours = W1.flops() / 80e9  # 80 GFLOP/s: 80% of the GEMM rate
+    rows = [bench.Row(W1, {"ours": ours, "loop": 0.99 * ours}, {}, {}, 0, 3, set(), {}),
+            bench.Row(W4, {"ours": 0.003, "loop": 0.006, "kv_read": 0.001}, {}, {}, 0, 3, set(), {})]
+    targets = {t: (measured, met) for t, measured, met in bench.target_rows(rows, gemm, None)}
+    assert targets["W1 fp32 fwd >= 70% of fp32 GEMM"] == ("80% (80 of 100 GFLOP/s, fastest rounds)", "met")
+    assert targets["W4 decode <= 2x reading its K/V"][1] == "unmet"  # 3x
+    assert targets["every row >= 1.0x the fastest contender"] == ("lowest W1 fwd 0.99x; below: W1 fwd 0.99x",
+                                                                   "unmet")

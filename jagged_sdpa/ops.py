@@ -140,6 +140,18 @@ def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
 # attention: forward
 
 
+# A ``backend`` argument starting with this carries a refusal instead (``PackedCall.refusal``).
+_REFUSED = "refused: "
+
+
+def _impl_of(backend: str):
+    """The backend an operator call names; a refused call raises its ValueError here, when the
+    operator runs."""
+    if backend.startswith(_REFUSED):
+        raise ValueError(backend[len(_REFUSED):])
+    return IMPLS[Backend(backend)]
+
+
 def _lse_rows(spec: AttnSpec) -> int:
     """The lse is returned when asked for or needed by the backward; else an empty (Hq, 0)."""
     return spec.total_q if (spec.return_lse or spec.needs_grad) else 0
@@ -151,7 +163,7 @@ def _forward(backend: str, call: PackedCall) -> tuple:
     if spec.needs_grad:
         call = call.replace(spec=spec.replace(return_lse=True))
     with torch.no_grad():
-        result = IMPLS[Backend(backend)].forward(call)
+        result = _impl_of(backend).forward(call)
     lse = result.lse
     if lse is None:
         lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=call.q.device)
@@ -160,6 +172,7 @@ def _forward(backend: str, call: PackedCall) -> tuple:
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
                options, max_seqlen_q, max_seqlen_k):
+    _impl_of(backend)  # a refused call is refused before its contents are read
     return _forward(backend, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                                       dropout_key, options, max_seqlen_q, max_seqlen_k))
 
@@ -170,7 +183,8 @@ def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                     max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
-    return out, lse, list(IMPLS[Backend(backend)].fake_state(call))
+    state = () if backend.startswith(_REFUSED) else IMPLS[Backend(backend)].fake_state(call)
+    return out, lse, list(state)
 
 
 _LIB.impl("attention", _attention, "CompositeExplicitAutograd")
@@ -185,7 +199,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seq
                         alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
     call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
                     options, max_seqlen_q, max_seqlen_k)
-    impl = IMPLS[Backend(backend)]
+    impl = _impl_of(backend)
     grads = impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
     return list(grads)
 
@@ -260,10 +274,11 @@ class _UnobservedAttention(torch.autograd.Function):
         return None, None, grads[0], grads[1], grads[2], grads[3] if len(grads) > 3 else None
 
 
-def run(backend: Backend, call: PackedCall) -> AttnOutput:
-    """Run ``call`` on ``backend`` through the operator: (out, lse or None)."""
+def run(backend: Optional[Backend], call: PackedCall) -> AttnOutput:
+    """Run ``call`` on ``backend`` through the operator: (out, lse or None). A call with a
+    ``refusal`` (and no backend) is traced all the same and raises it when the operator runs."""
     spec = call.spec
-    if _unobserved(call):
+    if call.refusal is None and _unobserved(call):
         if spec.needs_grad:
             out, lse = _UnobservedAttention.apply(backend.value, call, call.q, call.k, call.v, call.alibi_slopes)
             return AttnOutput(out, lse if spec.return_lse else None)
@@ -272,7 +287,8 @@ def run(backend: Backend, call: PackedCall) -> AttnOutput:
     compiling = torch.compiler.is_compiling()
     _handover.call = None if compiling else call
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
-            call.alibi_slopes, call.dropout_key, backend.value, options_of(spec), spec.max_seqlen_q,
+            call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
+            options_of(spec), spec.max_seqlen_q,
             spec.max_seqlen_k)
     try:
         if spec.needs_grad or compiling:

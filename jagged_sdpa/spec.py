@@ -106,6 +106,8 @@ class PackedCall:
     *_host: the same lengths read once on the host by ``layout.seqlen_stats`` (None when the call
     was made without a host read, see ``AttnSpec.lengths_known``). dropout_key: int64 CPU (2,)
     [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
+    refusal: why the call may not run, raised as a ValueError when its operator runs (a call
+    traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
     """
 
     q: Tensor
@@ -121,6 +123,7 @@ class PackedCall:
     cu_k_host: Optional[tuple[int, ...]] = None
     seqused_k_host: Optional[tuple[int, ...]] = None
     dropout_key: Optional[Tensor] = None
+    refusal: Optional[str] = None
 
     def replace(self, **changes) -> "PackedCall":
         return dataclasses.replace(self, **changes)

@@ -52,8 +52,12 @@ def keep_mask(spec: AttnSpec, pos: Tensor, j: Tensor) -> Tensor:
     return keep
 
 
+def distance(pos: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
+    """|i' - j| in ``dtype``: ALiBi's bias per unit of slope (and so its derivative in the slope)."""
+    return (pos - j).abs().to(dtype)
+
+
 def alibi_bias(slopes: Tensor, pos: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
     """-slope * |i' - j| as (Hq, rows, keys) in ``dtype``, computed in float32 (float64 for it)."""
     exact = torch.float64 if dtype == torch.float64 else torch.float32
-    dist = (pos - j).abs().to(exact)
-    return (-slopes.to(exact).reshape(-1, 1, 1) * dist).to(dtype)
+    return (-slopes.to(exact).reshape(-1, 1, 1) * distance(pos, j, exact)).to(dtype)

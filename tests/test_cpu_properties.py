@@ -1,14 +1,14 @@
-"""Property-based tests of CPU_FUSED's torch-op engines (fused, blocked, grouped, decode; the
-compiled kernel is switched off) against the float64 reference, forward and backward.
+"""Property-based tests of what runs a CPU call, chosen automatically: the compiled kernel
+(CPU_FUSED) for fp32/fp16/bf16 and MATH for float64, against the float64 reference, forward and
+backward.
 
-The engines run when the compiled kernel cannot (float64, dropout, paged backward, no compiler),
-and split every sequence into blocks of query rows, each against only the keys it sees. So each
-example draws the engines' thresholds and block sizes small (``_ENGINE_KNOBS``, patched on the
-modules for one example), which puts block edges, empty blocks and engine switches at arbitrary
-places of short sequences, and a ragged batch (0..60 queries, 0..80 keys: empty sequences, Lq > Lk,
-decode rows), both causal alignments (``sdpa`` top-left, ``varlen`` bottom-right), windows,
-softcap, ALiBi, scale, GQA, D != Dv, every dtype, contiguous, row-strided (NaN buffer) and
-last-dim-strided inputs, packed keys or a paged cache, with or without a backward.
+Each example draws the kernel's work split (``native.Q_CHUNK``, ``DIRECT_ROWS``, ``DIRECT_KEYS``)
+and MATH's score budget (blocks of a few query rows) small (``_KNOBS``, patched on the modules
+for one example), which puts work items, block edges and empty blocks at arbitrary places of short
+sequences, and a ragged batch (0..60 queries, 0..80 keys: empty sequences, Lq > Lk, decode rows),
+both causal alignments (``sdpa`` top-left, ``varlen`` bottom-right), windows, softcap, ALiBi,
+scale, GQA, D != Dv, every dtype, contiguous, row-strided (NaN buffer) and last-dim-strided inputs,
+packed keys or a paged cache (shared blocks), with or without a backward, on 1 or 2 threads.
 
 Derandomized (the same examples every run): 150 examples, ~20 s on two cores.
 ``JAGGED_SDPA_PROPERTY_SCALE=<k>`` multiplies the count (a longer hunt).
@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jagged_sdpa
-from jagged_sdpa.backends.cpu import backend, blocked, decode, fused, grouped, native
+from jagged_sdpa import Backend
+from jagged_sdpa.backends import math as math_backend
+from jagged_sdpa.backends.cpu import native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from test_backend_cpu import last_dim_strided
 from tolerances import assert_close_lse, assert_close_packed
 
-CPU = "cpu_fused"
 LOWP = (torch.float16, torch.bfloat16)
 # lowp_ref widens atol to FUDGE * MATH-in-the-same-dtype's own error (float32: scales up to 2 make
 # logits large enough that float32 rounding alone passes the 1e-5 floor, see the kernel's tests).
@@ -38,18 +39,13 @@ FUDGE = {torch.float64: 2.0, torch.float32: 4.0, torch.float16: 2.0, torch.bfloa
 GRAD_FUDGE = {torch.float64: 2.0, torch.float32: 4.0, torch.float16: 3.0, torch.bfloat16: 3.0}
 _SCALE = max(1, int(os.environ.get("JAGGED_SDPA_PROPERTY_SCALE", "1")))
 
-# (module, attribute, strategy): the engine thresholds and block sizes each example draws.
-_ENGINE_KNOBS = (
-    (fused, "BLOCK_ROWS", st.integers(1, 40)),
-    (fused, "DIAGONAL_ROWS", st.integers(1, 40)),
-    (blocked, "BLOCK_ELEMENTS", st.integers(1, 4000)),
-    (blocked, "MIN_ROWS", st.integers(1, 20)),
-    (backend, "SMALL_QUERY_ROWS", st.integers(0, 20)),
-    (backend, "SMALL_PAIRS", st.integers(0, 2000)),
-    (backend, "GROUPED_PAIRS", st.integers(0, 2000)),
-    (backend, "GROUPED_KEYS", st.integers(0, 60)),
-    (decode, "CHUNK_ELEMENTS", st.integers(1, 3000)),
-    (grouped, "LENGTH_SLACK", st.integers(0, 80)),
+# (module, attribute, strategy): the kernel's work split and MATH's block size each example draws
+# (a budget of 4 bytes per head and key is one float32 query row per block).
+_KNOBS = (
+    (native, "Q_CHUNK", st.integers(1, 256)),
+    (native, "DIRECT_ROWS", st.integers(0, 3)),
+    (native, "DIRECT_KEYS", st.integers(1, 256)),
+    (math_backend, "SCORE_BUDGET_BYTES", st.integers(1, 40000)),
 )
 
 
@@ -63,7 +59,7 @@ def calls(draw):
     side = st.one_of(st.just(-1), st.integers(0, 30))
     hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     d = draw(st.integers(1, 24))
-    # Mostly without softcap, ALiBi and Dv != D, which send every sequence to the blocked engine.
+    # Mostly without softcap, ALiBi and Dv != D: the plain paths are drawn often too.
     sometimes = lambda strategy, default: st.one_of(st.just(default), st.just(default), strategy)
     return {
         "entry": entry,
@@ -82,29 +78,36 @@ def calls(draw):
         "grad": draw(st.booleans()),
         "paged": paged,
         "block_size": draw(st.integers(1, 9)),
-        "knobs": {name: draw(strategy) for _, name, strategy in _ENGINE_KNOBS},
+        "knobs": {name: draw(strategy) for _, name, strategy in _KNOBS},
         "threads": draw(st.sampled_from([1, 2])),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
 
 @contextlib.contextmanager
-def torch_engines(case):
-    """The compiled kernel off, the drawn knobs and thread count on; restored afterwards (no
-    monkeypatch: hypothesis runs many examples inside one test)."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in _ENGINE_KNOBS]
-    library, threads = native.library, torch.get_num_threads()
+def drawn_setup(case):
+    """The drawn knobs and thread count on; restored afterwards (no monkeypatch: hypothesis runs
+    many examples inside one test)."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _KNOBS]
+    threads = torch.get_num_threads()
     try:
-        native.library = lambda: None
-        for module, name, _ in _ENGINE_KNOBS:
+        for module, name, _ in _KNOBS:
             setattr(module, name, case["knobs"][name])
         torch.set_num_threads(case["threads"])
         yield
     finally:
-        native.library = library
         for module, name, value in saved:
             setattr(module, name, value)
         torch.set_num_threads(threads)
+
+
+def _chosen(case, leaves, slopes, paged):
+    """The backend automatic selection gives the call (the alignment does not change it)."""
+    cu_q, cu_k = cu_of(case["q_lens"]), cu_of(case["k_lens"])
+    extra = {"block_table": paged[2], "seqused_k": paged[3]} if paged else {}
+    return jagged_sdpa.explain(*leaves, cu_q, None if paged else cu_k, causal=case["causal"],
+                               window_size=case["window"], softcap=case["softcap"] or None, alibi_slopes=slopes,
+                               **extra).chosen
 
 
 def _wrap(case, t):
@@ -171,8 +174,10 @@ def run_case(case):
     q, k, v, slopes, grad_out, paged = _inputs(case, gen)
     sources = (q, paged[0], paged[1]) if paged else (q, k, v)
     leaves = [_wrap(case, t).requires_grad_(case["grad"]) for t in sources]
-    with torch_engines(case):
-        out, lse = _attend(case, *leaves, slopes, paged, CPU)
+    kernel = native.library() is not None and dtype != torch.float64
+    with drawn_setup(case):
+        assert _chosen(case, leaves, slopes, paged) == (Backend.CPU_FUSED if kernel else Backend.MATH)
+        out, lse = _attend(case, *leaves, slopes, paged, None)
         if case["grad"] and out.requires_grad:
             out.backward(_wrap(case, grad_out))
     ref_out, ref_lse, ref_grads = _grads(case, q, k, v, slopes, grad_out, torch.float64)
@@ -200,5 +205,5 @@ def run_case(case):
 @settings(max_examples=150 * _SCALE, deadline=None, derandomize=True, database=None, print_blob=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(calls())
-def test_torch_engines_match_reference(case):
+def test_cpu_path_matches_reference(case):
     run_case(case)

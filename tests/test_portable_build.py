@@ -10,7 +10,7 @@ paged caches in both directions, dropout masks, odd head dims, NaN propagation. 
 target and path), and the library's code is checked for 512-bit registers with ``objdump``.
 
 A failed build (a value the compiler refuses, a badly spelled value, a missing compiler, a target
-this CPU cannot run) is a reason in ``explain``, and the call runs on the torch-op engines.
+this CPU cannot run) is cpu_fused's reason in ``explain``, and the call runs on MATH.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jagged_sdpa
 from jagged_sdpa.backends.cpu import native
 from cases import cu_of
 from guarded import run_child
+from kernel_calls import assert_math_takes_over
 from reference import attention_reference
 from tolerances import assert_close_packed
 
@@ -89,16 +90,15 @@ def _v3_library(monkeypatch, tmp_path=None):
 
 
 def _falls_back(reason_part: str):
-    """The build failed with a reason naming ``reason_part``; explain says so and a call runs on
-    the torch-op engines, matching the float64 reference."""
+    """The build failed with a reason naming ``reason_part``: cpu_fused refuses calls with it
+    (explain, a forced call's error) and MATH runs them, matching the float64 reference."""
     assert native.library() is None
     assert reason_part in native.unavailable_reason(), native.unavailable_reason()
-    q = torch.randn(12, 2, 16)
-    cu = cu_of([5, 7])
-    notes = " ".join(jagged_sdpa.explain(q, q, q, cu, cu, causal=True).notes)
-    assert "compiled kernel not used (unavailable: " in notes and reason_part in notes, notes
-    out = jagged_sdpa.varlen_attention(q, q, q, cu, cu, causal=True)
-    assert_close_packed(out, attention_reference(q, q, q, cu, cu, causal=True)[0], cu_seqlens=cu)
+    assert_math_takes_over(reason_part)
+    q, cu = torch.randn(3, 1, 8), cu_of([3])
+    why = native.unavailable_reason()
+    assert jagged_sdpa.explain(q, q, q, cu, cu).reasons[jagged_sdpa.Backend.CPU_FUSED] == [
+        f"compiled kernel unavailable ({why})"]
 
 
 def test_the_target_is_in_the_cache_key_and_the_file_name():

@@ -1,4 +1,4 @@
-"""The position rules of API.md 5b, written once for every torch-op backend (MATH, CPU_FUSED).
+"""The position rules of API.md 5b in torch ops, written once (MATH runs them; tests/reference.py is independent).
 
 A query row's aligned position is i' = i (top_left) or i + Lk - Lq (bottom_right). Causal keeps
 keys j <= i'; a window keeps i' - left <= j <= i' + right (-1 unbounded); ALiBi adds

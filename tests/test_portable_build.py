@@ -131,40 +131,39 @@ def test_a_named_target_is_loaded_and_explain_says_so(monkeypatch):
         assert not [n for n in jagged_sdpa.explain(q, q, q, cu, cu).notes if "built for" in n]
 
 
-def test_a_value_the_compiler_refuses_is_a_reason(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAGGED_SDPA_CPU_ARCH", "no-such-cpu")
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """Set environment variables, then build (or fail to build) into an empty cache; the suite's
+    own library is back afterwards."""
     monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
-    native.reset()
-    try:
-        _falls_back("failed to build attention.cpp for -march=no-such-cpu: ")
-        assert "error" in native.unavailable_reason() and list(tmp_path.glob("*.so")) == []
-    finally:
-        monkeypatch.undo()
+
+    def build_with(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         native.reset()
+        return tmp_path
+
+    yield build_with
+    monkeypatch.undo()
+    native.reset()
+
+
+def test_a_value_the_compiler_refuses_is_a_reason(fresh_build):
+    cache = fresh_build(JAGGED_SDPA_CPU_ARCH="no-such-cpu")
+    _falls_back("failed to build attention.cpp for -march=no-such-cpu: ")
+    assert "error" in native.unavailable_reason() and list(cache.glob("*.so")) == []
 
 
 @pytest.mark.parametrize("value", ["native -O0", "-mavx512f", "x86-64-v3;rm"])
-def test_a_value_that_is_not_a_march_is_a_reason(monkeypatch, tmp_path, value):
-    monkeypatch.setenv("JAGGED_SDPA_CPU_ARCH", value)
-    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
-    native.reset()
-    try:
-        _falls_back(f"JAGGED_SDPA_CPU_ARCH={value!r} is not a -march value")
-    finally:
-        monkeypatch.undo()
-        native.reset()
+def test_a_value_that_is_not_a_march_is_a_reason(fresh_build, value):
+    fresh_build(JAGGED_SDPA_CPU_ARCH=value)
+    _falls_back(f"JAGGED_SDPA_CPU_ARCH={value!r} is not a -march value")
 
 
-def test_a_missing_compiler_named_by_cxx_is_a_reason(monkeypatch, tmp_path):
+def test_a_missing_compiler_named_by_cxx_is_a_reason(fresh_build):
     """CXX names the compiler the user wants: a missing one is not replaced by another."""
-    monkeypatch.setenv("CXX", "/nonexistent")
-    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
-    native.reset()
-    try:
-        _falls_back("no C++ compiler: CXX=/nonexistent not found")
-    finally:
-        monkeypatch.undo()
-        native.reset()
+    fresh_build(CXX="/nonexistent")
+    _falls_back("no C++ compiler: CXX=/nonexistent not found")
 
 
 def test_a_target_this_cpu_cannot_run_is_refused_before_any_call(monkeypatch):

@@ -157,13 +157,16 @@ def _lse_rows(spec: AttnSpec) -> int:
     return spec.total_q if (spec.return_lse or spec.needs_grad) else 0
 
 
+def _keeping_lse(call: PackedCall) -> PackedCall:
+    """A call that needs a gradient asks its backend for the lse, which the backward reads."""
+    return call.replace(spec=call.spec.replace(return_lse=True)) if call.spec.needs_grad else call
+
+
 def _forward(backend: str, call: PackedCall) -> tuple:
     """The operator's real implementation, given its call: (out, lse, state list)."""
     spec = call.spec
-    if spec.needs_grad:
-        call = call.replace(spec=spec.replace(return_lse=True))
     with torch.no_grad():
-        result = _impl_of(backend).forward(call)
+        result = _impl_of(backend).forward(_keeping_lse(call))
     lse = result.lse
     if lse is None:
         lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=call.q.device)
@@ -255,22 +258,21 @@ def _unobserved(call: PackedCall) -> bool:
 
 
 class _UnobservedAttention(torch.autograd.Function):
-    """An unobserved call that needs a gradient: the operator's forward and backward
-    implementations (``_forward``, the backend's backward) under one plain autograd Function."""
+    """An unobserved call that needs a gradient: the backend's forward and backward, as the
+    operator runs them, under one plain autograd Function (whose forward runs without grad)."""
 
     @staticmethod
-    def forward(ctx, backend: str, call: PackedCall, q, k, v, alibi_slopes):
-        out, lse, state = _forward(backend, call)
-        ctx.backend, ctx.call = backend, call
-        ctx.save_for_backward(q, k, v, out, lse, *state)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def forward(ctx, impl, call: PackedCall, q, k, v, alibi_slopes):
+        result = impl.forward(_keeping_lse(call))
+        ctx.impl, ctx.call = impl, call
+        ctx.save_for_backward(q, k, v, result.out, result.lse, *result.state)
+        ctx.mark_non_differentiable(result.lse)
+        return result.out, result.lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, *state = ctx.saved_tensors
-        call = ctx.call.replace(q=q, k=k, v=v)
-        grads = IMPLS[Backend(ctx.backend)].backward(call, out, lse, grad_out.contiguous(), tuple(state))
+        grads = ctx.impl.backward(ctx.call.replace(q=q, k=k, v=v), out, lse, grad_out.contiguous(), tuple(state))
         return None, None, grads[0], grads[1], grads[2], grads[3] if len(grads) > 3 else None
 
 
@@ -280,7 +282,7 @@ def run(backend: Optional[Backend], call: PackedCall) -> AttnOutput:
     spec = call.spec
     if call.refusal is None and _unobserved(call):
         if spec.needs_grad:
-            out, lse = _UnobservedAttention.apply(backend.value, call, call.q, call.k, call.v, call.alibi_slopes)
+            out, lse = _UnobservedAttention.apply(IMPLS[backend], call, call.q, call.k, call.v, call.alibi_slopes)
             return AttnOutput(out, lse if spec.return_lse else None)
         result = IMPLS[backend].forward(call)  # what ``_forward`` does, without the lse it must return
         return result if spec.return_lse or result.lse is None else AttnOutput(result.out, None)

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.flop_counter import register_flop_formula
 
 from jagged_sdpa import layout, paging
 from jagged_sdpa.backends import IMPLS, Backend
@@ -244,6 +246,43 @@ def _backward(ctx, grad_out, _grad_lse, _grad_state):
 
 
 torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOP counts (torch.utils.flop_counter.FlopCounterMode), by torch's own convention for attention:
+# 2 * m * n * k per matmul, over the full Lq x Lk of each sequence (masks not discounted); forward
+# Q.K^T and P.V, backward those recomputed or propagated through five matmuls.
+
+
+def _pairs(q: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+           max_seqlen_k) -> int:
+    """Sum over sequences of Lq * Lk, read from the offsets; with fake or meta offsets (a count
+    taken while tracing) an upper bound: every query against ``max_seqlen_k`` keys."""
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    if any(t is not None and (t.device.type == "meta" or is_fake(t)) for t in index):
+        return int(q.shape[0]) * int(max_seqlen_k)
+    host = layout.read_host(*[t for t in index if t is not None])
+    lengths_q = [b - a for a, b in zip(host[0][:-1], host[0][1:])]
+    if seqused_k is not None:
+        lengths_k = host[-1]
+    else:
+        lengths_k = [b - a for a, b in zip(host[1][:-1], host[1][1:])]
+    return sum(a * b for a, b in zip(lengths_q, lengths_k))
+
+
+@register_flop_formula(torch.ops.jagged_sdpa.attention, get_raw=True)
+def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args, out_val=None, **_kwargs) -> int:
+    max_seqlen_k = _args[-1]
+    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
+        q.shape[-1] + v.shape[-1])
+
+
+@register_flop_formula(torch.ops.jagged_sdpa.attention_backward, get_raw=True)
+def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args,
+                              out_val=None, **_kwargs) -> int:
+    max_seqlen_k = _args[-1]
+    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
+        3 * q.shape[-1] + 2 * v.shape[-1])
 
 
 def _unobserved(call: PackedCall) -> bool:

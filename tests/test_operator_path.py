@@ -129,3 +129,50 @@ def test_sdpa_on_njts_takes_the_direct_path_and_matches_the_operator(operator_ru
         through_op = jagged_sdpa.sdpa(q, q, q, is_causal=True)
     assert operator_runs["n"] == 1
     torch.testing.assert_close(direct.values(), through_op.values(), rtol=0, atol=0)
+
+
+def _torch_convention(lengths_q, lengths_k, hq, hkv, d, dv):
+    """FLOPs of each sequence as one dense attention call, by torch's own formulas."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    fwd = bwd = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        shapes_q, shapes_k, shapes_v = (1, hq, lq, d), (1, hkv, lk, d), (1, hkv, lk, dv)
+        fwd += sdpa_flop_count(shapes_q, shapes_k, shapes_v)
+        bwd += sdpa_backward_flop_count((1, hq, lq, dv), shapes_q, shapes_k, shapes_v)
+    return fwd, bwd
+
+
+def test_flop_counter_counts_each_sequence_by_torchs_convention():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(1)
+    q = packed(LENGTHS_Q, 4, 16, requires_grad=True, gen=gen)
+    k = packed(LENGTHS_K, 2, 16, requires_grad=True, gen=gen)
+    v = packed(LENGTHS_K, 2, 8, requires_grad=True, gen=gen)
+    with FlopCounterMode(display=False) as counter:
+        out = jagged_sdpa.varlen_attention(q, k, v, cu_of(LENGTHS_Q), cu_of(LENGTHS_K), 9, 9, causal=True)
+        out.sum().backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    fwd, bwd = _torch_convention(LENGTHS_Q, LENGTHS_K, 4, 2, 16, 8)
+    assert counts == {"jagged_sdpa.attention": fwd, "jagged_sdpa.attention_backward": bwd}
+
+
+def test_flop_counter_reads_seqused_k_of_a_paged_cache():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = packed([3, 1], 2, 8, gen=torch.Generator().manual_seed(0))
+    k_cache, v_cache, table, used, _, _ = paged_case([3, 1], [9, 5], 4, 2, 8)
+    with FlopCounterMode(display=False) as counter:
+        jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of([3, 1]), None, 3, 9, block_table=table,
+                                     seqused_k=used)
+    assert counter.get_total_flops() == _torch_convention([3, 1], [9, 5], 2, 2, 8, 8)[0]
+
+
+def test_flop_count_without_readable_offsets_is_an_upper_bound():
+    """While tracing (fake or meta offsets) every query is counted against max_seqlen_k keys."""
+    q = torch.empty(17, 4, 16, device="meta")
+    cu = torch.empty(5, dtype=torch.int32, device="meta")
+    assert ops._pairs(q, cu, cu, None, 9) == 17 * 9
+    exact = ops._pairs(torch.empty(17, 4, 16), cu_of(LENGTHS_Q), cu_of(LENGTHS_K), None, 9)
+    assert exact == sum(a * b for a, b in zip(LENGTHS_Q, LENGTHS_K)) < 17 * 9

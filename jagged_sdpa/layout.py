@@ -138,8 +138,9 @@ def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], giv
 
 def tensor_size(x: Tensor) -> tuple:
     """``tuple(x.shape)``, cheaply for NJTs: their ``.shape`` dispatches to Python (~4 us a read),
-    while the sizes it is made of are stored on the object (ragged dim: its nested int)."""
-    if type(x) is NJT_CLASS:
+    while the sizes it is made of are stored on the object (ragged dim: its nested int). Under
+    torch.compile the public ``.shape`` (Dynamo cannot always wrap the stored nested int)."""
+    if type(x) is NJT_CLASS and not torch.compiler.is_compiling():
         size = getattr(x, "_size", None)
         if type(size) is tuple:
             return size

@@ -212,6 +212,8 @@ def test_sdpa_on_njts_fullgraph_equals_eager_with_dynamic_batches():
         torch.testing.assert_close(g.values(), w.values(), rtol=0, atol=0)
     assert counter.frame_count <= 2, counter.frame_count
     assert torch._dynamo.explain(_njt_attention)(_njt_batch([3, 5])).graph_break_count == 0
+    # A batch the compiled function has seen: its nested int is Dynamo's to wrap again.
+    assert torch._dynamo.explain(_njt_attention)(x).graph_break_count == 0
 
 
 def test_inductor_end_to_end():

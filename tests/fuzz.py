@@ -54,7 +54,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -882,7 +881,6 @@ def logit_rounding_bound(case, b, ref, c=2.0):
     d = case["d"]
     scale = 1.0 / math.sqrt(d) if case["scale"] is None else case["scale"]
     q, k, v = b["q"].double().nan_to_num(0.0), b["k"].double().nan_to_num(0.0), b["v"].double().nan_to_num(0.0)
-    clean = {**b, "q": q, "k": k, "v": v}
     # p from the naive path in float64 (the same masks); E = c u sqrt(D) scale sum_j p_ij |q_i||k_j||v_j - out_i|
     group = case["hq"] // case["hkv"]
     cu_q = [int(x) for x in b["cu_q"]]

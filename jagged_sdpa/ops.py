@@ -304,7 +304,7 @@ class _UnobservedAttention(torch.autograd.Function):
     def forward(ctx, impl, call: PackedCall, q, k, v, alibi_slopes):
         result = impl.forward(_keeping_lse(call))
         ctx.impl, ctx.call = impl, call
-        ctx.save_for_backward(q, k, v, result.out, result.lse, *result.state)
+        ctx.save_for_backward(q, k, v, result.out, result.lse, *(result.state or ()))
         ctx.mark_non_differentiable(result.lse)
         return result.out, result.lse
 

@@ -157,7 +157,7 @@ class EfficientBackend(BackendImpl):
             # No query, or no key anywhere: the backward op refuses max_seqlen 0 and there is
             # nothing to compute.
             out, lse = cc.empty_result(call)
-            return AttnOutput(out, lse if spec.return_lse else None, None)
+            return AttnOutput(out, lse if spec.return_lse else None)
         q, k, v = _prepare(call)
         mask, window = mask_arguments(spec)
         kwargs = {"scale": spec.scale}

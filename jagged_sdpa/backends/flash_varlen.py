@@ -161,7 +161,7 @@ class FlashVarlenBackend(BackendImpl):
         spec = call.spec
         if spec.total_q == 0:  # a zero-size grid is a CUDA launch error, not an empty result
             out, lse = cc.empty_result(call)
-            return AttnOutput(out, lse if spec.return_lse else None, None)
+            return AttnOutput(out, lse if spec.return_lse else None)
         width = padded_head_dim(spec)
         q, k, v, cu_k = _prepare(call, width)
         max_q, max_k = _max_seqlens(spec)

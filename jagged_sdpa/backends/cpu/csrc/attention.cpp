@@ -48,6 +48,13 @@
 #else
 #define JS_BF16_DOT 0
 #endif
+#if JS_BF16_DOT && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define JS_AMX 1  // bf16 forward tiles on AMX (tdpbf16ps) when Linux grants the tile state
+#else
+#define JS_AMX 0
+#endif
 
 namespace {
 
@@ -440,12 +447,12 @@ inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO
     if (lse) *lse = empty ? -INFINITY : m + std::log(l);
 }
 
-// The online-softmax update of RR rows of scores in pb (RR x BK), in place: P = exp(S - m_new),
+// The online-softmax update of `rows` rows of scores in pb (rows x BK), in place: P = exp(S - m_new),
 // l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
 // plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
-template <int RR>
-inline void softmax_rows(float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule, int64_t pos0) {
-    for (int r = 0; r < RR; ++r) {
+inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
+                         int64_t pos0) {
+    for (int r = 0; r < rows; ++r) {
         float* row = pb + r * BK;
         if (!plain) rule.apply(row, pos0 + r);
         const float bm = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
@@ -476,7 +483,7 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
     alignas(64) float pb[RR * BK];
     qk_tile<RR>(qp, d, d, kt, pb);
     float alpha[RR];
-    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0);
     if (rule.p.dropout_p > 0.f)  // l (above) sums the probabilities before dropout, O after
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     column_chunks(dvp, [&](auto nv, int64_t c) {
@@ -545,7 +552,7 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     alignas(64) uint16_t pbh[RR * BK];
     qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
     float alpha[RR];
-    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     for (int r = 0; r < RR; ++r)
@@ -558,6 +565,117 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     column_chunks(dvp, [&](auto nv, int64_t c) {
         pv_tile_bf16<RR, decltype(nv)::value>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
     });
+}
+#endif
+
+#if JS_AMX
+// AMX tiles: tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one (stored as 16 rows of 16
+// bf16 pairs) into 16 x 16 float32, 16x the work of one vdpbf16ps. The packed layouts are the bf16
+// tiles' own: K^T pairs [pair][key] (a B tile: 16 pairs x 16 keys, rows BK words apart), V pairs
+// [key pair][column] (16 key pairs x 16 columns, rows dvp pairs apart), q rows and P rows as A
+// tiles (16 rows x 32 elements). The head dim is padded with zeros to a multiple of 32.
+// Linux hands out the tile state only on request (arch_prctl, once per process); refused (an old
+// kernel, a sandbox), bf16 tiles stay on vdpbf16ps.
+constexpr int TR = 16;  // query rows per AMX tile
+inline bool amx_ready() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+// Every tile 16 rows of 64 bytes; loaded per work item, released after it (a thread that holds
+// tile state makes every context switch save it).
+inline void amx_configure() {
+    struct alignas(64) {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = TR;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. Tiles
+// 0-3 accumulate S (16 x 64 keys) and then each 4 x 16 columns of P.V; 4 holds the A operand,
+// 5-7 B operands. qb has TR rows (those past `rows` zero), ldq elements apart; dchunks = padded
+// head dim / 32.
+void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const uint32_t* kt2, const uint16_t* vp2,
+              int64_t dvp, float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
+    alignas(64) float pb[TR * BK];
+    alignas(64) uint16_t pbh[TR * BK];
+    alignas(64) float pv[TR * 4 * W];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < dchunks; ++t) {
+        const uint32_t* kc = kt2 + t * 16 * BK;
+        _tile_loadd(4, qb + t * 32, ldq * 2);
+        _tile_loadd(5, kc, BK * 4);
+        _tile_loadd(6, kc + W, BK * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(7, kc + 2 * W, BK * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, kc + 3 * W, BK * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, pb, BK * 4);
+    _tile_stored(1, pb + W, BK * 4);
+    _tile_stored(2, pb + 2 * W, BK * 4);
+    _tile_stored(3, pb + 3 * W, BK * 4);
+    const vf sc = splat(scale);
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < 4; ++c) storeu(pb + r * BK + c * W, loadu(pb + r * BK + c * W) * sc);
+    float alpha[TR];
+    softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0);
+    if (rule.p.dropout_p > 0.f)
+        for (int r = 0; r < rows; ++r) rule.drop(pb + r * BK, pos0 + r);
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < BK / (2 * W); ++c) {
+            const float* x = pb + r * BK + c * 2 * W;
+            _mm512_storeu_si512(pbh + r * BK + c * 2 * W,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
+        }
+    std::fill(pbh + rows * BK, pbh + TR * BK, static_cast<uint16_t>(0));
+    const int kchunks = (rule.nk + 31) / 32;  // keys past nk have P = 0 and zero V rows
+    for (int64_t c0 = 0; c0 < dvp; c0 += 4 * W) {
+        const int nc = static_cast<int>(std::min<int64_t>(4, (dvp - c0) / W));
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int t = 0; t < kchunks; ++t) {
+            const uint16_t* vc = vp2 + (t * 16 * dvp + c0) * 2;
+            _tile_loadd(4, pbh + t * 32, BK * 2);
+            _tile_loadd(5, vc, dvp * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nc > 1) {
+                _tile_loadd(6, vc + 2 * W, dvp * 4);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (nc > 2) {
+                _tile_loadd(7, vc + 4 * W, dvp * 4);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (nc > 3) {
+                _tile_loadd(5, vc + 6 * W, dvp * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, pv, 4 * W * 4);
+        if (nc > 1) _tile_stored(1, pv + W, 4 * W * 4);
+        if (nc > 2) _tile_stored(2, pv + 2 * W, 4 * W * 4);
+        if (nc > 3) _tile_stored(3, pv + 3 * W, 4 * W * 4);
+        for (int r = 0; r < rows; ++r) {
+            const vf a = splat(alpha[r]);
+            float* orow = o + r * dvp + c0;
+            for (int c = 0; c < nc; ++c) storeu(orow + c * W, loadu(orow + c * W) * a + loadu(pv + r * 4 * W + c * W));
+        }
+    }
 }
 #endif
 
@@ -713,7 +831,14 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     float* m = w.m.data();
     vf* lv = w.l.data();
     constexpr bool bf16_dot = JS_BF16_DOT && std::is_same<IO, BF16>::value;
-    const int64_t pairs = (d + 1) / 2;  // bf16 tiles: q.k as pairs of elements
+#if JS_AMX
+    const bool amx = bf16_dot && amx_ready();
+#else
+    constexpr bool amx = false;
+#endif
+    // bf16 tiles: q.k as pairs of elements; AMX tiles take them 16 pairs at a time.
+    const int64_t pairs = amx ? (d + 31) / 32 * 16 : (d + 1) / 2;
+    const int padded_rows = amx ? (rows + TR - 1) / TR * TR : rows;
     if (bf16_dot) w.fit_bf16(pairs, dvp);
     uint16_t* qb = w.qb.data();
     uint32_t* kt2 = w.kt2.data();
@@ -722,13 +847,17 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         const T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
         if (bf16_dot) {
             std::memcpy(qb + r * 2 * pairs, src, d * sizeof(T));
-            if (d % 2) qb[r * 2 * pairs + d] = 0;
+            std::fill(qb + r * 2 * pairs + d, qb + (r + 1) * 2 * pairs, static_cast<uint16_t>(0));
         } else {
             for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
         }
         m[r] = -INFINITY;
         lv[r] = splat(0.f);
     }
+    if (bf16_dot) std::fill(qb + rows * 2 * pairs, qb + padded_rows * 2 * pairs, static_cast<uint16_t>(0));
+#if JS_AMX
+    if (amx) amx_configure();
+#endif
     std::fill(o, o + rows * dvp, 0.f);
 
     int64_t lo_all, hi_first, lo_last, hi_all;
@@ -761,14 +890,22 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
             for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
         }
         const RowRule rule{p, kb, len_k, nk, slope, it.b, it.h, pos0 - it.row0};
-        for (int r = 0; r < rows; r += R) {
-            const int rr = std::min(R, rows - r);
+        const int tile_rows = amx ? TR : R;
+        for (int r = 0; r < rows; r += tile_rows) {
+            const int rr = std::min(tile_rows, rows - r);
             int64_t lo_f, hi_f, lo_l, hi_l;
             key_range(p, pos0 + r, len_k, &lo_f, &hi_f);
             key_range(p, pos0 + r + rr - 1, len_k, &lo_l, &hi_l);
             if (hi_l <= kb || lo_f >= kb + nk) continue;  // no row of the tile sees this block
             const bool plain = !scored && nk == BK && lo_l <= kb && hi_f >= kb + BK;
             float* const args_o = o + r * dvp;
+#if JS_AMX
+            if (amx) {
+                tile_amx(rr, qb + r * 2 * pairs, 2 * pairs, pairs / 16, kt2, vp2, dvp, args_o, m + r, lv + r, plain, rule,
+                         pos0 + r, p.scale);
+                continue;
+            }
+#endif
 #if JS_BF16_DOT
             if (bf16_dot) {
                 switch (rr) {
@@ -787,6 +924,9 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         }
     }
 
+#if JS_AMX
+    if (amx) _tile_release();
+#endif
     for (int r = 0; r < rows; ++r)
         finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
                        p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);

@@ -42,6 +42,12 @@
 
 #include <omp.h>
 #include <type_traits>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define JS_PACK512 1  // key blocks packed with AVX-512 transposes and masked loads
+#else
+#define JS_PACK512 0
+#endif
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define JS_BF16_DOT 1  // bf16 inputs multiply as bf16 pairs (vdpbf16ps), accumulating in float32
@@ -221,6 +227,47 @@ struct BF16 {
     }
 };
 
+#if JS_PACK512
+// 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i of the rows r[0..16).
+inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// The first n (0..16) elements of a row as float32 words, the rest zero and never read (masked
+// loads do not touch memory past the row).
+inline __mmask16 lanes16(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline __m512i row_words(F32, const float* p, int n) { return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes16(n), p)); }
+inline __m512i row_words(F16, const _Float16* p, int n) {
+    return _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes16(n), p)));
+}
+inline __m512i row_words(BF16, const uint16_t* p, int n) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes16(n), p)), 16);
+}
+// The first n (0..32) bf16 elements of a row as 16 words of pairs, the rest zero.
+inline __m512i row_pairs(const uint16_t* p, int n) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u), p);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -284,6 +331,100 @@ inline int64_t key_offset(const JsParams& p, int64_t b, int64_t j, int64_t tok, 
 }
 inline int64_t key_count(const JsParams& p, int64_t b) {
     return p.seqused_k ? p.seqused_k[b] : p.cu_k[b + 1] - p.cu_k[b];
+}
+
+// Packs key block [kb, kb + nk) of sequence b, kv head hk for the tiles. K^T as 32-bit words
+// kt[e * BK + j], e < words, zero for keys j >= nk: floats widened from the input, or (Pairs) the
+// input's bf16 as pairs of elements (words: the padded pair count, zero past the head dim). V as
+// floats vp[j * dvp + e] (zero past dv), or (Pairs) bf16 pairs of rows vp[(j / 2) * 2 dvp + 2e +
+// j % 2] (zero past nk and dv). With AVX-512: 16 x 16 word transposes of rows read with masked
+// loads (nothing past a row is touched); otherwise element by element.
+template <class IO, bool Pairs>
+void pack_block(const JsParams& p, int64_t b, int64_t hk, int64_t kb, int nk, int64_t words, int64_t dvp, uint32_t* kt,
+                void* vp) {
+    typedef typename IO::T T;
+    const int64_t d = p.head_dim, dv = p.head_dim_v;
+    auto krow = [&](int j) {
+        return static_cast<const T*>(p.k) + key_offset(p, b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
+    };
+    auto vrow = [&](int j) {
+        return static_cast<const T*>(p.v) + key_offset(p, b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
+    };
+#if JS_PACK512
+    const int elems = Pairs ? 32 : 16;  // input elements per word row of 16 words
+    auto words_at = [&](const T* row, int64_t e0, int64_t len) {  // words e0 .. e0 + 16 of a row of len elements
+        const int n = static_cast<int>(std::clamp<int64_t>(len - e0 * (Pairs ? 2 : 1), 0, elems));
+        if (n == 0) return _mm512_setzero_si512();
+        if constexpr (Pairs) return row_pairs(row + 2 * e0, n);
+        else return row_words(IO{}, row + e0, n);
+    };
+    for (int j0 = 0; j0 < BK; j0 += 16) {
+        if (j0 >= nk) {
+            for (int64_t e = 0; e < words; ++e) std::fill(kt + e * BK + j0, kt + e * BK + BK, 0u);
+            break;
+        }
+        const T* rows[16];
+        for (int j = 0; j < 16; ++j) rows[j] = j0 + j < nk ? krow(j0 + j) : nullptr;
+        for (int64_t e0 = 0; e0 < words; e0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; ++j) r[j] = rows[j] ? words_at(rows[j], e0, d) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t i = 0; i < std::min<int64_t>(16, words - e0); ++i) _mm512_storeu_si512(kt + (e0 + i) * BK + j0, r[i]);
+        }
+    }
+    if constexpr (Pairs) {
+        alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const __m512i idx = _mm512_load_si512(interleave);
+        uint16_t* vd = static_cast<uint16_t*>(vp);
+        for (int j = 0; j < BK; j += 2) {
+            uint16_t* dst = vd + (j / 2) * dvp * 2;
+            if (j >= nk) {
+                std::fill(dst, vd + BK * dvp, static_cast<uint16_t>(0));
+                break;
+            }
+            const T* a = vrow(j);
+            const T* c = j + 1 < nk ? vrow(j + 1) : nullptr;
+            for (int64_t e0 = 0; e0 < dvp; e0 += 16) {
+                const __mmask16 mask = lanes16(static_cast<int>(std::clamp<int64_t>(dv - e0, 0, 16)));
+                const __m256i lo = mask ? _mm256_maskz_loadu_epi16(mask, a + e0) : _mm256_setzero_si256();
+                const __m256i hi = mask && c ? _mm256_maskz_loadu_epi16(mask, c + e0) : _mm256_setzero_si256();
+                _mm512_storeu_si512(dst + 2 * e0, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+            }
+        }
+    } else {
+        float* vd = static_cast<float*>(vp);
+        for (int j = 0; j < nk; ++j) {
+            const T* src = vrow(j);
+            for (int64_t e0 = 0; e0 < dvp; e0 += 16) _mm512_storeu_si512(vd + j * dvp + e0, words_at(src, e0, dv));
+        }
+    }
+#else
+    if constexpr (Pairs) {
+        std::fill(kt, kt + words * BK, 0u);
+        uint16_t* vd = static_cast<uint16_t*>(vp);
+        std::fill(vd, vd + BK * dvp, static_cast<uint16_t>(0));
+        for (int j = 0; j < nk; ++j) {
+            const T* ksrc = krow(j);
+            for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt + (e / 2) * BK + j, ksrc + e, 4);
+            if (d % 2) kt[(d / 2) * BK + j] = ksrc[d - 1];
+            const T* vsrc = vrow(j);
+            for (int64_t e = 0; e < dv; ++e) vd[(j / 2) * dvp * 2 + 2 * e + j % 2] = vsrc[e];
+        }
+    } else {
+        float* ktf = reinterpret_cast<float*>(kt);
+        float* vd = static_cast<float*>(vp);
+        for (int j = 0; j < nk; ++j) {
+            const T* ksrc = krow(j);
+            for (int64_t e = 0; e < d; ++e) ktf[e * BK + j] = IO::ld(ksrc + e);
+            const T* vsrc = vrow(j);
+            for (int64_t e = 0; e < dv; ++e) vd[j * dvp + e] = IO::ld(vsrc + e);
+            for (int64_t e = dv; e < dvp; ++e) vd[j * dvp + e] = 0.f;
+        }
+        if (nk < BK)
+            for (int64_t e = 0; e < d; ++e) std::fill(ktf + e * BK + nk, ktf + e * BK + BK, 0.f);
+    }
+#endif
 }
 
 struct Item {
@@ -810,8 +951,6 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         return;
     }
     const T* q = static_cast<const T*>(p.q);
-    const T* k = static_cast<const T*>(p.k);
-    const T* v = static_cast<const T*>(p.v);
     T* out = static_cast<T*>(p.out);
     const int64_t d = p.head_dim, dv = p.head_dim_v, dvp = (dv + W - 1) / W * W;
     const int64_t hk = it.h / (p.heads_q / p.heads_kv);
@@ -865,30 +1004,10 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
     for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
-        if (bf16_dot) {  // K^T as pairs (pairs x BK words), V as pairs of rows (BK/2 x Dvp x 2)
-            std::fill(kt2, kt2 + pairs * BK, 0u);
-            std::fill(vp2, vp2 + BK * dvp, static_cast<uint16_t>(0));
-            for (int j = 0; j < nk; ++j) {
-                const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-                for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt2 + (e / 2) * BK + j, ksrc + e, 4);
-                if (d % 2) kt2[(d / 2) * BK + j] = ksrc[d - 1];
-                const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-                uint16_t* vdst = vp2 + (j / 2) * dvp * 2 + (j % 2);
-                for (int64_t e = 0; e < dv; ++e) vdst[2 * e] = vsrc[e];
-            }
-        } else {
-        // Pack K^T (D x BK, zero past nk) and V (nk x Dvp, zero past Dv) of this block.
-        for (int j = 0; j < nk; ++j) {
-            const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-            for (int64_t e = 0; e < d; ++e) kt[e * BK + j] = IO::ld(ksrc + e);
-            const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-            float* vdst = vp + j * dvp;
-            for (int64_t e = 0; e < dv; ++e) vdst[e] = IO::ld(vsrc + e);
-            for (int64_t e = dv; e < dvp; ++e) vdst[e] = 0.f;
-        }
-        if (nk < BK)
-            for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
-        }
+        if constexpr (bf16_dot)
+            pack_block<IO, true>(p, it.b, hk, kb, nk, pairs, dvp, kt2, vp2);
+        else
+            pack_block<IO, false>(p, it.b, hk, kb, nk, d, dvp, reinterpret_cast<uint32_t*>(kt), vp);
         const RowRule rule{p, kb, len_k, nk, slope, it.b, it.h, pos0 - it.row0};
         const int tile_rows = amx ? TR : R;
         for (int r = 0; r < rows; r += tile_rows) {

@@ -588,32 +588,46 @@ inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO
     if (lse) *lse = empty ? -INFINITY : m + std::log(l);
 }
 
-// The online-softmax update of `rows` rows of scores in pb (rows x BK), in place: P = exp(S - m_new),
-// l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
-// plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
+// The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
+// scores S = pre * raw: P = exp(S - m_new), l = alpha * l + sum(P), alpha = exp(m_old - m_new) per
+// row (O is rescaled by the caller). plain: every row sees the whole block and no softcap/ALiBi
+// applies (no per-score rule), so pre (> 0) rides in the exponent; otherwise the row is scaled first.
+// The alphas are one vexp for all rows (a scalar exp per row cost ~5% of a bf16 call).
 inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
-                         int64_t pos0) {
+                         int64_t pos0, float pre) {
+    alignas(64) float m_old[W], m_new[W];
+    vf sums[W];
     for (int r = 0; r < rows; ++r) {
         float* row = pb + r * BK;
-        if (!plain) rule.apply(row, pos0 + r);
+        float f = pre;
+        if (!plain || !(pre > 0.f)) {
+            if (pre != 1.f)
+                for (int c = 0; c < 4; ++c) storeu(row + c * W, loadu(row + c * W) * splat(pre));
+            f = 1.f;
+            if (!plain) rule.apply(row, pos0 + r);
+        }
         const float bm = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
-        if (adds_nothing(bm, row, BK)) {  // the row sees no key of this block
-            alpha[r] = 1.f;
+        if (adds_nothing(bm, row, BK)) {  // the row sees no key of this block: alpha 1, P 0
+            m_old[r] = m_new[r] = 0.f;
+            sums[r] = splat(0.f);
             for (int c = 0; c < 4; ++c) storeu(row + c * W, splat(0.f));
             continue;
         }
-        const float mn = std::max(m[r], bm);
-        alpha[r] = std::exp(m[r] - mn);  // 0 when m was -inf (O and l are still 0)
-        m[r] = mn;
-        const vf mv = splat(mn);
+        const float mn = std::max(m[r], bm * f);
+        m_old[r] = m[r];  // -inf before the row's first key: alpha 0 (O and l are still 0)
+        m_new[r] = m[r] = mn;
+        const vf fv = splat(f), mv = splat(mn);
         vf sum = splat(0.f);
         for (int c = 0; c < 4; ++c) {
-            const vf e = vexp(loadu(row + c * W) - mv);
+            const vf e = vexp(loadu(row + c * W) * fv - mv);
             storeu(row + c * W, e);
             sum += e;
         }
-        lv[r] = lv[r] * splat(alpha[r]) + sum;
+        sums[r] = sum;
     }
+    for (int r = rows; r < W; ++r) m_old[r] = m_new[r] = 0.f;
+    storeu(alpha, vexp(loadu(m_old) - loadu(m_new)));
+    for (int r = 0; r < rows; ++r) lv[r] = lv[r] * splat(alpha[r]) + sums[r];
 }
 
 // One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
@@ -623,8 +637,8 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
           bool plain, const RowRule& rule, int64_t pos0) {
     alignas(64) float pb[RR * BK];
     qk_tile<RR>(qp, d, d, kt, pb);
-    float alpha[RR];
-    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0);
+    alignas(64) float alpha[W];  // softmax_rows writes W
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)  // l (above) sums the probabilities before dropout, O after
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     column_chunks(dvp, [&](auto nv, int64_t c) {
@@ -692,8 +706,8 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     alignas(64) float pb[RR * BK];
     alignas(64) uint16_t pbh[RR * BK];
     qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
-    float alpha[RR];
-    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0);
+    alignas(64) float alpha[W];  // softmax_rows writes W
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     for (int r = 0; r < RR; ++r)
@@ -768,11 +782,8 @@ void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const 
     _tile_stored(1, pb + W, BK * 4);
     _tile_stored(2, pb + 2 * W, BK * 4);
     _tile_stored(3, pb + 3 * W, BK * 4);
-    const vf sc = splat(scale);
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < 4; ++c) storeu(pb + r * BK + c * W, loadu(pb + r * BK + c * W) * sc);
-    float alpha[TR];
-    softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0);
+    alignas(64) float alpha[W];
+    softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0, scale);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < rows; ++r) rule.drop(pb + r * BK, pos0 + r);
     for (int r = 0; r < rows; ++r)

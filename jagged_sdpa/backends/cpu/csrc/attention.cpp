@@ -66,8 +66,12 @@ namespace {
 
 constexpr int W = 16;        // floats per vector
 constexpr int BK = 64;       // keys per block (4 vectors): packed K^T and V of a block stay in L1
-constexpr int QCHUNK = 256;  // query rows per work item: each key block is packed once for them
+// Most query rows per work item: each key block is packed once for them (1024 rows ran W1 5% faster
+// than 256: a 300-token sequence packed its keys twice). Fewer for wide heads, so that a thread's
+// rows of q and O stay near 256 KB each.
+constexpr int QCHUNK = 1024;
 constexpr int R = 6;         // query rows per micro-tile (24 accumulators of 16 floats)
+constexpr int TR = 16;       // query rows per AMX tile
 
 // A vector is W = 16 floats. With AVX-512 it is one register. With narrower registers (AVX2,
 // SSE, NEON) it is a struct of 64 / JS_VEC_BYTES native vectors: GCC has no register for a 64-byte
@@ -298,7 +302,7 @@ struct JsParams {
     int32_t dtype;           // 0 float32, 1 float16, 2 bfloat16
     int32_t threads;
     // Work split (tests shrink them to reach every path on small shapes): query rows per item
-    // (at most QCHUNK), sequences with at most direct_rows queries run as direct rows, whose keys
+    // (capped by chunk_rows), sequences with at most direct_rows queries run as direct rows, whose keys
     // go in steps of direct_keys (at most DIRECT_KEYS).
     int32_t q_chunk, direct_rows, direct_keys;
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
@@ -425,6 +429,12 @@ void pack_block(const JsParams& p, int64_t b, int64_t hk, int64_t kb, int nk, in
             for (int64_t e = 0; e < d; ++e) std::fill(ktf + e * BK + nk, ktf + e * BK + BK, 0.f);
     }
 #endif
+}
+
+// Query rows per work item: p.q_chunk, within the cap above.
+inline int64_t chunk_rows(const JsParams& p) {
+    const int64_t cap = std::clamp<int64_t>(65536 / std::max<int64_t>({p.head_dim, p.head_dim_v, 1}) / 16 * 16, 64, QCHUNK);
+    return std::clamp<int64_t>(p.q_chunk, 1, cap);
 }
 
 struct Item {
@@ -731,7 +741,6 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
 // tiles (16 rows x 32 elements). The head dim is padded with zeros to a multiple of 32.
 // Linux hands out the tile state only on request (arch_prctl, once per process); refused (an old
 // kernel, a sandbox), bf16 tiles stay on vdpbf16ps.
-constexpr int TR = 16;  // query rows per AMX tile
 inline bool amx_ready() {
     static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                         18 /* XFEATURE_XTILEDATA */) == 0;
@@ -937,18 +946,18 @@ struct Scratch {
     }
     std::vector<uint16_t> qb, vp2;  // bf16 tiles: q rows, V pairs
     std::vector<uint32_t> kt2;      // bf16 tiles: K^T pairs
-    void fit_bf16(int64_t pairs, int64_t dvp) {
-        qb.resize(std::max<size_t>(qb.size(), QCHUNK * 2 * pairs));
+    void fit_bf16(int64_t rows, int64_t pairs, int64_t dvp) {  // rows: a multiple of TR
+        qb.resize(std::max<size_t>(qb.size(), rows * 2 * pairs));
         kt2.resize(pairs * BK);
         vp2.resize(BK * dvp);
     }
-    void fit_tiled(int64_t d, int64_t dvp) {
-        q.resize(std::max<size_t>(q.size(), QCHUNK * d));
-        o.resize(std::max<size_t>(o.size(), QCHUNK * dvp));
-        m.resize(std::max<size_t>(m.size(), QCHUNK));
+    void fit_tiled(int64_t rows, int64_t d, int64_t dvp) {
+        q.resize(std::max<size_t>(q.size(), rows * d));
+        o.resize(std::max<size_t>(o.size(), rows * dvp));
+        m.resize(std::max<size_t>(m.size(), rows));
         kt.resize(d * BK);
         v.resize(BK * dvp);
-        l.resize(QCHUNK);
+        l.resize(std::max<size_t>(l.size(), rows));
     }
 };
 
@@ -972,7 +981,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     const int rows = it.rows;
     const float slope = p.slopes ? p.slopes[it.b * p.slopes_batch_stride + it.h] : 0.f;
     const bool scored = p.softcap > 0.f || p.slopes;
-    w.fit_tiled(d, dvp);
+    w.fit_tiled(rows, d, dvp);
 
     float* qp = w.q.data();
     float* kt = w.kt.data();
@@ -989,7 +998,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     // bf16 tiles: q.k as pairs of elements; AMX tiles take them 16 pairs at a time.
     const int64_t pairs = amx ? (d + 31) / 32 * 16 : (d + 1) / 2;
     const int padded_rows = amx ? (rows + TR - 1) / TR * TR : rows;
-    if (bf16_dot) w.fit_bf16(pairs, dvp);
+    if (bf16_dot) w.fit_bf16(padded_rows, pairs, dvp);
     uint16_t* qb = w.qb.data();
     uint32_t* kt2 = w.kt2.data();
     uint16_t* vp2 = w.vp2.data();
@@ -1088,7 +1097,7 @@ void run_all(const JsParams& p) {
                                  len_q * p.heads_q * (hi - lo + 16)});
             continue;
         }
-        const int64_t chunk = std::clamp<int64_t>(p.q_chunk, 1, QCHUNK);
+        const int64_t chunk = chunk_rows(p);
         for (int64_t r0 = 0; r0 < len_q; r0 += chunk) {
             const int rows = static_cast<int>(std::min<int64_t>(chunk, len_q - r0));
             int64_t lo1, hi1, lo2, hi2;

@@ -337,26 +337,39 @@ inline int64_t key_count(const JsParams& p, int64_t b) {
     return p.seqused_k ? p.seqused_k[b] : p.cu_k[b + 1] - p.cu_k[b];
 }
 
-// Packs key block [kb, kb + nk) of sequence b, kv head hk for the tiles. K^T as 32-bit words
-// kt[e * BK + j], e < words, zero for keys j >= nk: floats widened from the input, or (Pairs) the
-// input's bf16 as pairs of elements (words: the padded pair count, zero past the head dim). V as
-// floats vp[j * dvp + e] (zero past dv), or (Pairs) bf16 pairs of rows vp[(j / 2) * 2 dvp + 2e +
-// j % 2] (zero past nk and dv). With AVX-512: 16 x 16 word transposes of rows read with masked
-// loads (nothing past a row is touched); otherwise element by element.
-template <class IO, bool Pairs>
-void pack_block(const JsParams& p, int64_t b, int64_t hk, int64_t kb, int nk, int64_t words, int64_t dvp, uint32_t* kt,
-                void* vp) {
+// The rows of key block [kb, kb + nk) of sequence b in k or v (x, with that tensor's token, block
+// and head strides), kv head hk.
+template <class T>
+struct KeyRows {
+    const JsParams& p;
+    const void* x;
+    int64_t tok, blk, head, b, kb, hk;
+    const T* operator()(int j) const {
+        return static_cast<const T*>(x) + key_offset(p, b, kb + j, tok, blk) + hk * head;
+    }
+};
+template <class T>
+KeyRows<T> k_rows(const JsParams& p, int64_t b, int64_t kb, int64_t hk) {
+    return {p, p.k, p.k_tok, p.k_block, p.k_head, b, kb, hk};
+}
+template <class T>
+KeyRows<T> v_rows(const JsParams& p, int64_t b, int64_t kb, int64_t hk) {
+    return {p, p.v, p.v_tok, p.v_block, p.v_head, b, kb, hk};
+}
+
+// Packing a key block for the tiles (rows: its nk rows of len elements). With AVX-512: 16 x 16
+// word transposes of rows read with masked loads (nothing past a row is touched); otherwise
+// element by element.
+//
+// Transposed: dst[e * BK + j] = 32-bit word e of key j, e < words, zero for keys j >= nk: floats
+// widened from the input, or (Pairs) the input's bf16 as pairs of elements (words: the padded
+// pair count, zero past len). K^T for q.k^T (and V^T for dO.v^T).
+template <class IO, bool Pairs, class Rows>
+void pack_transposed(const Rows& rows, int nk, int64_t len, int64_t words, uint32_t* dst) {
     typedef typename IO::T T;
-    const int64_t d = p.head_dim, dv = p.head_dim_v;
-    auto krow = [&](int j) {
-        return static_cast<const T*>(p.k) + key_offset(p, b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-    };
-    auto vrow = [&](int j) {
-        return static_cast<const T*>(p.v) + key_offset(p, b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-    };
 #if JS_PACK512
-    const int elems = Pairs ? 32 : 16;  // input elements per word row of 16 words
-    auto words_at = [&](const T* row, int64_t e0, int64_t len) {  // words e0 .. e0 + 16 of a row of len elements
+    const int elems = Pairs ? 32 : 16;  // input elements per row of 16 words
+    auto words_at = [&](const T* row, int64_t e0) {  // words e0 .. e0 + 16 of a row
         const int n = static_cast<int>(std::clamp<int64_t>(len - e0 * (Pairs ? 2 : 1), 0, elems));
         if (n == 0) return _mm512_setzero_si512();
         if constexpr (Pairs) return row_pairs(row + 2 * e0, n);
@@ -364,69 +377,87 @@ void pack_block(const JsParams& p, int64_t b, int64_t hk, int64_t kb, int nk, in
     };
     for (int j0 = 0; j0 < BK; j0 += 16) {
         if (j0 >= nk) {
-            for (int64_t e = 0; e < words; ++e) std::fill(kt + e * BK + j0, kt + e * BK + BK, 0u);
+            for (int64_t e = 0; e < words; ++e) std::fill(dst + e * BK + j0, dst + e * BK + BK, 0u);
             break;
         }
-        const T* rows[16];
-        for (int j = 0; j < 16; ++j) rows[j] = j0 + j < nk ? krow(j0 + j) : nullptr;
+        const T* src[16];
+        for (int j = 0; j < 16; ++j) src[j] = j0 + j < nk ? rows(j0 + j) : nullptr;
         for (int64_t e0 = 0; e0 < words; e0 += 16) {
             __m512i r[16];
-            for (int j = 0; j < 16; ++j) r[j] = rows[j] ? words_at(rows[j], e0, d) : _mm512_setzero_si512();
+            for (int j = 0; j < 16; ++j) r[j] = src[j] ? words_at(src[j], e0) : _mm512_setzero_si512();
             transpose16(r);
-            for (int64_t i = 0; i < std::min<int64_t>(16, words - e0); ++i) _mm512_storeu_si512(kt + (e0 + i) * BK + j0, r[i]);
+            for (int64_t i = 0; i < std::min<int64_t>(16, words - e0); ++i) _mm512_storeu_si512(dst + (e0 + i) * BK + j0, r[i]);
         }
     }
+#else
+    std::fill(dst, dst + words * BK, 0u);
+    for (int j = 0; j < nk; ++j) {
+        const T* src = rows(j);
+        if constexpr (Pairs) {
+            for (int64_t e = 0; e + 1 < len; e += 2) std::memcpy(dst + (e / 2) * BK + j, src + e, 4);
+            if (len % 2) dst[(len / 2) * BK + j] = src[len - 1];
+        } else {
+            for (int64_t e = 0; e < len; ++e) {
+                const float x = IO::ld(src + e);
+                std::memcpy(dst + e * BK + j, &x, 4);
+            }
+        }
+    }
+#endif
+}
+
+// Row-major, width (a multiple of W) elements per key, zero past len: floats dst[j * width + e]
+// (keys j >= nk left as they are), or (Pairs) bf16 pairs of keys dst[(j / 2) * 2 width + 2e + j % 2]
+// (zero past nk). V for P.V (and K for dS.K).
+template <class IO, bool Pairs, class Rows>
+void pack_rows(const Rows& rows, int nk, int64_t len, int64_t width, void* dst) {
+    typedef typename IO::T T;
+#if JS_PACK512
     if constexpr (Pairs) {
         alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
         const __m512i idx = _mm512_load_si512(interleave);
-        uint16_t* vd = static_cast<uint16_t*>(vp);
+        uint16_t* vd = static_cast<uint16_t*>(dst);
         for (int j = 0; j < BK; j += 2) {
-            uint16_t* dst = vd + (j / 2) * dvp * 2;
+            uint16_t* out = vd + (j / 2) * width * 2;
             if (j >= nk) {
-                std::fill(dst, vd + BK * dvp, static_cast<uint16_t>(0));
+                std::fill(out, vd + BK * width, static_cast<uint16_t>(0));
                 break;
             }
-            const T* a = vrow(j);
-            const T* c = j + 1 < nk ? vrow(j + 1) : nullptr;
-            for (int64_t e0 = 0; e0 < dvp; e0 += 16) {
-                const __mmask16 mask = lanes16(static_cast<int>(std::clamp<int64_t>(dv - e0, 0, 16)));
+            const T* a = rows(j);
+            const T* c = j + 1 < nk ? rows(j + 1) : nullptr;
+            for (int64_t e0 = 0; e0 < width; e0 += 16) {
+                const __mmask16 mask = lanes16(static_cast<int>(std::clamp<int64_t>(len - e0, 0, 16)));
                 const __m256i lo = mask ? _mm256_maskz_loadu_epi16(mask, a + e0) : _mm256_setzero_si256();
                 const __m256i hi = mask && c ? _mm256_maskz_loadu_epi16(mask, c + e0) : _mm256_setzero_si256();
-                _mm512_storeu_si512(dst + 2 * e0, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+                _mm512_storeu_si512(out + 2 * e0, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
             }
         }
     } else {
-        float* vd = static_cast<float*>(vp);
+        float* vd = static_cast<float*>(dst);
         for (int j = 0; j < nk; ++j) {
-            const T* src = vrow(j);
-            for (int64_t e0 = 0; e0 < dvp; e0 += 16) _mm512_storeu_si512(vd + j * dvp + e0, words_at(src, e0, dv));
+            const T* src = rows(j);
+            for (int64_t e0 = 0; e0 < width; e0 += 16) {
+                const int n = static_cast<int>(std::clamp<int64_t>(len - e0, 0, 16));
+                _mm512_storeu_si512(vd + j * width + e0, n ? row_words(IO{}, src + e0, n) : _mm512_setzero_si512());
+            }
         }
     }
 #else
     if constexpr (Pairs) {
-        std::fill(kt, kt + words * BK, 0u);
-        uint16_t* vd = static_cast<uint16_t*>(vp);
-        std::fill(vd, vd + BK * dvp, static_cast<uint16_t>(0));
+        uint16_t* vd = static_cast<uint16_t*>(dst);
+        std::fill(vd, vd + BK * width, static_cast<uint16_t>(0));
         for (int j = 0; j < nk; ++j) {
-            const T* ksrc = krow(j);
-            for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt + (e / 2) * BK + j, ksrc + e, 4);
-            if (d % 2) kt[(d / 2) * BK + j] = ksrc[d - 1];
-            const T* vsrc = vrow(j);
-            for (int64_t e = 0; e < dv; ++e) vd[(j / 2) * dvp * 2 + 2 * e + j % 2] = vsrc[e];
+            const T* src = rows(j);
+            for (int64_t e = 0; e < len; ++e) vd[(j / 2) * width * 2 + 2 * e + j % 2] = src[e];
         }
     } else {
-        float* ktf = reinterpret_cast<float*>(kt);
-        float* vd = static_cast<float*>(vp);
+        float* vd = static_cast<float*>(dst);
         for (int j = 0; j < nk; ++j) {
-            const T* ksrc = krow(j);
-            for (int64_t e = 0; e < d; ++e) ktf[e * BK + j] = IO::ld(ksrc + e);
-            const T* vsrc = vrow(j);
-            for (int64_t e = 0; e < dv; ++e) vd[j * dvp + e] = IO::ld(vsrc + e);
-            for (int64_t e = dv; e < dvp; ++e) vd[j * dvp + e] = 0.f;
+            const T* src = rows(j);
+            for (int64_t e = 0; e < len; ++e) vd[j * width + e] = IO::ld(src + e);
+            for (int64_t e = len; e < width; ++e) vd[j * width + e] = 0.f;
         }
-        if (nk < BK)
-            for (int64_t e = 0; e < d; ++e) std::fill(ktf + e * BK + nk, ktf + e * BK + BK, 0.f);
     }
 #endif
 }
@@ -1024,10 +1055,14 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
     for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
-        if constexpr (bf16_dot)
-            pack_block<IO, true>(p, it.b, hk, kb, nk, pairs, dvp, kt2, vp2);
-        else
-            pack_block<IO, false>(p, it.b, hk, kb, nk, d, dvp, reinterpret_cast<uint32_t*>(kt), vp);
+        // K^T (words x BK, zero past nk) and V (nk x dvp, zero past dv) of this block.
+        if constexpr (bf16_dot) {
+            pack_transposed<IO, true>(k_rows<T>(p, it.b, kb, hk), nk, d, pairs, kt2);
+            pack_rows<IO, true>(v_rows<T>(p, it.b, kb, hk), nk, dv, dvp, vp2);
+        } else {
+            pack_transposed<IO, false>(k_rows<T>(p, it.b, kb, hk), nk, d, d, reinterpret_cast<uint32_t*>(kt));
+            pack_rows<IO, false>(v_rows<T>(p, it.b, kb, hk), nk, dv, dvp, vp);
+        }
         const RowRule rule{p, kb, len_k, nk, slope, it.b, it.h, pos0 - it.row0};
         const int tile_rows = amx ? TR : R;
         for (int r = 0; r < rows; r += tile_rows) {

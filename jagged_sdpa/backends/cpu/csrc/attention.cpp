@@ -793,75 +793,88 @@ inline void amx_configure() {
     _tile_loadconfig(&cfg);
 }
 
-// One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. Tiles
-// 0-3 accumulate S (16 x 64 keys) and then each 4 x 16 columns of P.V; 4 holds the A operand,
-// 5-7 B operands. qb has TR rows (those past `rows` zero), ldq elements apart; dchunks = padded
-// head dim / 32.
+// C (16 x 16 nc floats, nc <= 4; rows ldc bytes apart) = [C +] sum over t < kt of A_t . B_t: A_t
+// a 16 x 32 bf16 tile at a + t * a_step bytes (rows lda apart), B_(t, c) a tile of 16 rows of 16
+// pairs at b + t * b_step + c * 64 bytes (rows ldb apart). Tiles 0-3 accumulate, 4 holds A, 5-7 B.
+inline void amx_mm(int nc, int64_t kt, bool acc, const void* a, int64_t lda, int64_t a_step, const void* b, int64_t ldb,
+                   int64_t b_step, float* c, int64_t ldc) {
+    const char* ab = static_cast<const char*>(a);
+    const char* bb = static_cast<const char*>(b);
+    if (acc) {
+        _tile_loadd(0, c, ldc);
+        if (nc > 1) _tile_loadd(1, c + W, ldc);
+        if (nc > 2) _tile_loadd(2, c + 2 * W, ldc);
+        if (nc > 3) _tile_loadd(3, c + 3 * W, ldc);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t t = 0; t < kt; ++t) {
+        const char* bt = bb + t * b_step;
+        _tile_loadd(4, ab + t * a_step, lda);
+        _tile_loadd(5, bt, ldb);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nc > 1) {
+            _tile_loadd(6, bt + 64, ldb);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nc > 2) {
+            _tile_loadd(7, bt + 128, ldb);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nc > 3) {
+            _tile_loadd(5, bt + 192, ldb);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, ldc);
+    if (nc > 1) _tile_stored(1, c + W, ldc);
+    if (nc > 2) _tile_stored(2, c + 2 * W, ldc);
+    if (nc > 3) _tile_stored(3, c + 3 * W, ldc);
+}
+
+// Rows (r0, r0 + 1) of x (floats, rows BK apart) as bf16 pairs dst[(r0 / 2) * 2 BK + 2j + r % 2]:
+// the B operand of a product over rows. nrows even.
+inline void bf16_row_pairs(const float* x, int nrows, uint16_t* dst) {
+    alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_load_si512(interleave);
+    for (int r = 0; r < nrows; r += 2)
+        for (int c = 0; c < BK; c += W) {
+            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * BK + c));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * BK + c));
+            _mm512_storeu_si512(dst + r * BK + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        }
+}
+
+// Rows of x (floats, BK per row) as bf16 rows (round to nearest even).
+inline void bf16_rows(const float* x, int nrows, uint16_t* dst) {
+    for (int r = 0; r < nrows; ++r)
+        for (int c = 0; c < BK; c += 2 * W)
+            _mm512_storeu_si512(dst + r * BK + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * BK + c + W),
+                                                                               _mm512_loadu_ps(x + r * BK + c)));
+}
+
+// One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. qb has
+// TR rows (those past `rows` zero), ldq elements apart; dchunks = padded head dim / 32.
 void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const uint32_t* kt2, const uint16_t* vp2,
               int64_t dvp, float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
     alignas(64) float pb[TR * BK];
     alignas(64) uint16_t pbh[TR * BK];
     alignas(64) float pv[TR * 4 * W];
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t = 0; t < dchunks; ++t) {
-        const uint32_t* kc = kt2 + t * 16 * BK;
-        _tile_loadd(4, qb + t * 32, ldq * 2);
-        _tile_loadd(5, kc, BK * 4);
-        _tile_loadd(6, kc + W, BK * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(7, kc + 2 * W, BK * 4);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, kc + 3 * W, BK * 4);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, pb, BK * 4);
-    _tile_stored(1, pb + W, BK * 4);
-    _tile_stored(2, pb + 2 * W, BK * 4);
-    _tile_stored(3, pb + 3 * W, BK * 4);
+    amx_mm(4, dchunks, false, qb, ldq * 2, 64, kt2, BK * 4, 16 * BK * 4, pb, BK * 4);
     alignas(64) float alpha[W];
     softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0, scale);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < rows; ++r) rule.drop(pb + r * BK, pos0 + r);
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < BK / (2 * W); ++c) {
-            const float* x = pb + r * BK + c * 2 * W;
-            _mm512_storeu_si512(pbh + r * BK + c * 2 * W,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
-        }
+    bf16_rows(pb, rows, pbh);
     std::fill(pbh + rows * BK, pbh + TR * BK, static_cast<uint16_t>(0));
     const int kchunks = (rule.nk + 31) / 32;  // keys past nk have P = 0 and zero V rows
     for (int64_t c0 = 0; c0 < dvp; c0 += 4 * W) {
         const int nc = static_cast<int>(std::min<int64_t>(4, (dvp - c0) / W));
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int t = 0; t < kchunks; ++t) {
-            const uint16_t* vc = vp2 + (t * 16 * dvp + c0) * 2;
-            _tile_loadd(4, pbh + t * 32, BK * 2);
-            _tile_loadd(5, vc, dvp * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nc > 1) {
-                _tile_loadd(6, vc + 2 * W, dvp * 4);
-                _tile_dpbf16ps(1, 4, 6);
-            }
-            if (nc > 2) {
-                _tile_loadd(7, vc + 4 * W, dvp * 4);
-                _tile_dpbf16ps(2, 4, 7);
-            }
-            if (nc > 3) {
-                _tile_loadd(5, vc + 6 * W, dvp * 4);
-                _tile_dpbf16ps(3, 4, 5);
-            }
-        }
-        _tile_stored(0, pv, 4 * W * 4);
-        if (nc > 1) _tile_stored(1, pv + W, 4 * W * 4);
-        if (nc > 2) _tile_stored(2, pv + 2 * W, 4 * W * 4);
-        if (nc > 3) _tile_stored(3, pv + 3 * W, 4 * W * 4);
+        amx_mm(nc, kchunks, false, pbh, BK * 2, 64, vp2 + 2 * c0, dvp * 4, 16 * dvp * 4, pv, 4 * W * 4);
         for (int r = 0; r < rows; ++r) {
             const vf a = splat(alpha[r]);
             float* orow = o + r * dvp + c0;

@@ -267,7 +267,7 @@ inline __m512i row_words(BF16, const uint16_t* p, int n) {
     return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes16(n), p)), 16);
 }
 // The first n (0..32) bf16 elements of a row as 16 words of pairs, the rest zero.
-inline __m512i row_pairs(const uint16_t* p, int n) {
+inline __m512i row_pairs(const void* p, int n) {  // p: bf16 elements
     return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u), p);
 }
 #endif
@@ -1239,22 +1239,58 @@ void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
 
 struct GradScratch {
     std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
-    void fit(int64_t rows, int64_t dp, int64_t dvp) {
-        q.assign(rows * dp, 0.f);
-        dout.assign(rows * dvp, 0.f);
+    // AMX (bf16): q and dO rows and transposed (rows padded), K^T and V^T pairs, K pairs of rows,
+    // P and dS as pairs of rows and dS as rows in bf16, dK^T and dV^T accumulators.
+    std::vector<uint16_t> qb, dob, qT, doT, kp2, pvn, dsvn, ds16;
+    std::vector<uint32_t> kt2, vt2;
+    std::vector<float> dkT, dvT;
+    void fit(int64_t rows, int64_t dp, int64_t dvp, bool amx) {
+        if (!amx) {
+            q.assign(rows * dp, 0.f);
+            dout.assign(rows * dvp, 0.f);
+            kt.resize(dp * BK);
+            vt.resize(dvp * BK);
+            kr.resize(BK * dp);
+        }
         dq.assign(rows * dp, 0.f);
         lse.resize(rows);
         delta.resize(rows);
-        kt.resize(dp * BK);
-        vt.resize(dvp * BK);
-        kr.resize(BK * dp);
         dk.resize(BK * dp);
         dv.resize(BK * dvp);
         p.resize(BQ_BWD * BK);
         ds.resize(BQ_BWD * BK);
         raw.resize(BQ_BWD * BK);
     }
+    void fit_amx(int64_t rows, int64_t dp, int64_t dvp, int64_t dpad, int64_t dvpad) {
+        qb.assign(rows * dpad, 0);
+        dob.assign(rows * dvpad, 0);
+        qT.assign(dp * rows, 0);
+        doT.assign(dvp * rows, 0);
+        kt2.resize(dpad / 2 * BK);
+        vt2.resize(dvpad / 2 * BK);
+        kp2.resize(BK * dp);
+        pvn.resize(BQ_BWD * BK);
+        dsvn.resize(BQ_BWD * BK);
+        ds16.resize(BQ_BWD * BK);
+        dkT.resize(dp * BK);
+        dvT.resize(dvp * BK);
+    }
 };
+
+#if JS_AMX
+// dst[j * width + e] = scale * src[e * BK + j] for j < BK, e < width (a multiple of 16).
+inline void transpose_into(const float* src, int64_t width, float scale, float* dst) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t e0 = 0; e0 < width; e0 += 16)
+        for (int j0 = 0; j0 < BK; j0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (e0 + i) * BK + j0);
+            transpose16(r);
+            for (int i = 0; i < 16; ++i)
+                _mm512_storeu_ps(dst + (j0 + i) * width + e0, _mm512_mul_ps(_mm512_castsi512_ps(r[i]), sc));
+        }
+}
+#endif
 
 // Runs f<RR>(r) for RR = min(R, n - r) over r = 0, R, 2R, ... < n.
 #define JS_FOR_TILES(n, CALL)                           \
@@ -1366,27 +1402,49 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t len_k = key_count(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
-    const int64_t rows = group * len_q;  // scratch rows: query head g's row i at g * len_q + i
-    w.fit(rows, dp, dvp);
+#if JS_AMX
+    const bool amx = std::is_same<IO, BF16>::value && amx_ready();
+#else
+    constexpr bool amx = false;
+#endif
+    // Scratch rows: query head gi's row i at gi * lq + i. AMX tiles sum over rows 32 at a time, so
+    // there each head's rows are padded to a multiple of 32 with zero rows (lse +inf: P = 0).
+    const int64_t lq = amx ? (len_q + 31) / 32 * 32 : len_q;
+    const int64_t rows = group * lq;
+    const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
+    w.fit(rows, dp, dvp, amx);
+    if (amx) w.fit_amx(rows, dp, dvp, dpad, dvpad);
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
-        for (int64_t i = 0; i < len_q; ++i) {
-            const int64_t row = gi * len_q + i;
+        for (int64_t i = 0; i < lq; ++i) {
+            const int64_t row = gi * lq + i;
+            if (i >= len_q) {  // AMX padding
+                w.delta[row] = 0.f;
+                w.lse[row] = INFINITY;
+                continue;
+            }
             const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
             const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
             const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
-            for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
             float delta = 0.f;
-            for (int64_t e = 0; e < dv; ++e) {
-                const float x = IO::ld(dos + e);
-                w.dout[row * dvp + e] = x;
-                delta += x * IO::ld(os + e);
+            for (int64_t e = 0; e < dv; ++e) delta += IO::ld(dos + e) * IO::ld(os + e);
+            if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
+                std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
+                std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
+                for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
+                for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
+            } else {
+                for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
+                for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
             }
             w.delta[row] = delta;
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
         }
     }
+#if JS_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t kb = 0; kb < len_k; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
         // Rows that see any key of this block: a contiguous range (both bounds are monotone).
@@ -1400,36 +1458,53 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             }
         }
         if (r_begin >= r_end) continue;  // dK/dV rows of this block stay 0
-        std::fill(w.kt.begin(), w.kt.end(), 0.f);
-        std::fill(w.vt.begin(), w.vt.end(), 0.f);
-        std::fill(w.kr.begin(), w.kr.end(), 0.f);
-        for (int j = 0; j < nk; ++j) {
-            const T* ks = static_cast<const T*>(p.k) + key_offset(p, b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-            const T* vs = static_cast<const T*>(p.v) + key_offset(p, b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-            for (int64_t e = 0; e < d; ++e) {
-                const float x = IO::ld(ks + e);
-                w.kt[e * BK + j] = x;
-                w.kr[j * dp + e] = x;
-            }
-            for (int64_t e = 0; e < dv; ++e) w.vt[e * BK + j] = IO::ld(vs + e);
+        // Rows in chunks of BQ_BWD from r_begin; AMX chunks start and end on multiples of 32 (the
+        // rows added see none of these keys: P = 0).
+        const int64_t c_begin = amx ? r_begin / 32 * 32 : r_begin, c_end = amx ? (r_end + 31) / 32 * 32 : r_end;
+        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk), vrows = v_rows<T>(p, b, kb, hk);
+        if (amx) {  // K^T and V^T as pairs, K as pairs of rows; dK^T, dV^T accumulate
+            pack_transposed<IO, true>(krows, nk, d, dpad / 2, w.kt2.data());
+            pack_transposed<IO, true>(vrows, nk, dv, dvpad / 2, w.vt2.data());
+            pack_rows<IO, true>(krows, nk, d, dp, w.kp2.data());
+            std::fill(w.dkT.begin(), w.dkT.end(), 0.f);
+            std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
+        } else {  // K^T, V^T and K rows (zero past nk)
+            std::fill(w.kr.begin(), w.kr.end(), 0.f);
+            pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+            pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
+            pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
+            std::fill(w.dk.begin(), w.dk.end(), 0.f);
+            std::fill(w.dv.begin(), w.dv.end(), 0.f);
         }
-        std::fill(w.dk.begin(), w.dk.end(), 0.f);
-        std::fill(w.dv.begin(), w.dv.end(), 0.f);
         for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t h = hk * group + gi;
             const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
             const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
-            for (int64_t c0 = r_begin; c0 < r_end; c0 += BQ_BWD) {
-                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, r_end - c0));
-                const int64_t base = gi * len_q + c0;  // scratch row of the chunk's first row
+            for (int64_t c0 = c_begin; c0 < c_end; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, c_end - c0));
+                const int64_t base = gi * lq + c0;  // scratch row of the chunk's first row
                 float* pb = w.p.data();
                 float* dsb = w.ds.data();
+#if JS_AMX
+                if (amx) {
+                    for (int r = 0; r < n; r += TR) {  // S = Q.K^T (unscaled), dP = dO.V^T
+                        amx_mm(4, dpad / 32, false, w.qb.data() + (base + r) * dpad, dpad * 2, 64, w.kt2.data(), BK * 4,
+                               16 * BK * 4, pb + r * BK, BK * 4);
+                        amx_mm(4, dvpad / 32, false, w.dob.data() + (base + r) * dvpad, dvpad * 2, 64, w.vt2.data(),
+                               BK * 4, 16 * BK * 4, dsb + r * BK, BK * 4);
+                    }
+                    for (int r = 0; r < n; ++r)
+                        for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
+                }
+#endif
+                if (!amx) {
 #define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
-                JS_FOR_TILES(n, JS_QK)
+                    JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
-                JS_FOR_TILES(n, JS_DP)
+                    JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
+                }
                 for (int r = 0; r < n; ++r) {
                     float* srow = pb + r * BK;
                     float* dsrow = dsb + r * BK;
@@ -1461,6 +1536,25 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         }
                     for (int j = nk; j < BK; ++j) srow[j] = dsrow[j] = 0.f;
                 }
+#if JS_AMX
+                if (amx) {  // P and dS rounded to bf16, as flash attention's bf16 backward does
+                    bf16_row_pairs(pb, n, w.pvn.data());
+                    bf16_row_pairs(dsb, n, w.dsvn.data());
+                    bf16_rows(dsb, n, w.ds16.data());
+                    for (int64_t e = 0; e < dvp; e += 16)  // dV^T += dO^T.P
+                        amx_mm(4, n / 32, true, w.doT.data() + e * rows + base, rows * 2, 64, w.pvn.data(), BK * 4,
+                               16 * BK * 4, w.dvT.data() + e * BK, BK * 4);
+                    for (int64_t e = 0; e < dp; e += 16)  // dK^T += Q^T.dS (unscaled)
+                        amx_mm(4, n / 32, true, w.qT.data() + e * rows + base, rows * 2, 64, w.dsvn.data(), BK * 4,
+                               16 * BK * 4, w.dkT.data() + e * BK, BK * 4);
+                    for (int r = 0; r < n; r += TR)  // dQ += dS.K
+                        for (int64_t c = 0; c < dp; c += 4 * W)
+                            amx_mm(static_cast<int>(std::min<int64_t>(4, (dp - c) / W)), BK / 32, true, w.ds16.data() + r * BK,
+                                   BK * 2, 64, w.kp2.data() + 2 * c, dp * 4, 16 * dp * 4, w.dq.data() + (base + r) * dp + c,
+                                   dp * 4);
+                    continue;
+                }
+#endif
                 tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
                 tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
 #define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
@@ -1468,6 +1562,12 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #undef JS_DQ
             }
         }
+#if JS_AMX
+        if (amx) {  // dK^T (scaled) and dV^T into key rows
+            transpose_into(w.dkT.data(), dp, p.scale, w.dk.data());
+            transpose_into(w.dvT.data(), dvp, 1.f, w.dv.data());
+        }
+#endif
         for (int j = 0; j < nk; ++j) {
             if (float* ak = shared ? shared->k_row(b, kb + j, hk) : nullptr) {  // a shared cache block
                 std::copy(w.dk.data() + j * dp, w.dk.data() + j * dp + d, ak);
@@ -1480,11 +1580,14 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             for (int64_t e = 0; e < dv; ++e) dvs[e] = IO::st(w.dv[j * dvp + e]);
         }
     }
+#if JS_AMX
+    if (amx) _tile_release();
+#endif
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
         for (int64_t i = 0; i < len_q; ++i) {
             T* dqs = static_cast<T*>(g.dq) + (q0 + i) * g.dq_tok + h * g.dq_head;
-            const float* src = w.dq.data() + (gi * len_q + i) * dp;
+            const float* src = w.dq.data() + (gi * lq + i) * dp;
             for (int64_t e = 0; e < d; ++e) dqs[e] = IO::st(src[e] * p.scale);
         }
     }

@@ -44,7 +44,16 @@
 #include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define JS_PACK512 1  // key blocks packed with AVX-512 transposes and masked loads
+#define JS_AVX512 1
+#else
+#define JS_AVX512 0
+#endif
+// Key blocks are packed with AVX-512 transposes and masked loads, except under AddressSanitizer,
+// which does not see intrinsic loads: there the element-by-element packing reads the same rows,
+// so that a read past one is reported (tests/test_sanitizers.py; the guard-page tests check the
+// vector path).
+#if JS_AVX512 && !defined(__SANITIZE_ADDRESS__)
+#define JS_PACK512 1
 #else
 #define JS_PACK512 0
 #endif
@@ -54,7 +63,7 @@
 #else
 #define JS_BF16_DOT 0
 #endif
-#if JS_BF16_DOT && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#if JS_BF16_DOT && JS_AVX512 && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define JS_AMX 1  // bf16 forward tiles on AMX (tdpbf16ps) when Linux grants the tile state
@@ -231,7 +240,7 @@ struct BF16 {
     }
 };
 
-#if JS_PACK512
+#if JS_AVX512
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i of the rows r[0..16).
 inline void transpose16(__m512i* r) {
     __m512i t[16];
@@ -1653,6 +1662,15 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
 
 extern "C" int js_abi_version() { return 7; }
 
+// What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
+// (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.
+extern "C" int js_bf16_tiles() {
+#if JS_AMX
+    if (amx_ready()) return 2;
+#endif
+    return JS_BF16_DOT;
+}
+
 // The instruction sets the compiler was allowed to use here (-march), named as in /proc/cpuinfo:
 // native.py refuses to load a library whose target this CPU cannot run, and reports the list.
 extern "C" const char* js_build_isa() {
@@ -1713,6 +1731,12 @@ extern "C" const char* js_build_isa() {
 #endif
 #if defined(__AVX512FP16__)
         " avx512_fp16"
+#endif
+#if defined(__AMX_TILE__)
+        " amx_tile"
+#endif
+#if defined(__AMX_BF16__)
+        " amx_bf16"
 #endif
         ;
 }

@@ -15,8 +15,11 @@
 // out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
 // window) on the aligned position i' = i + shift. Computation is float32 whatever the input dtype
-// (fp16/bf16 are widened exactly on load), except that bf16 forward tiles multiply bf16 pairs
-// (vdpbf16ps) where the CPU has AVX512-BF16.
+// (fp16/bf16 are widened exactly on load), except bf16 products: where the CPU has AMX (and Linux
+// grants its tile state) the forward and the backward multiply bf16 on AMX tiles (tdpbf16ps, 16
+// query rows a tile), where it has AVX512-BF16 only the forward uses vdpbf16ps; products are exact
+// and sums float32, but P (and the backward's dS) is rounded to bf16 for its product, as flash
+// attention does on GPUs (js_bf16_tiles says which).
 //
 // Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
 // loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
@@ -30,8 +33,8 @@
 // Z = keep / (1 - p), keep drawn by Philox4x32-10 from the counter (j, i, h, b) under the call's
 // key, recomputed (never stored) in the backward; no thread count, work split or packing changes it.
 //
-// Sections: vector helpers; parameters; dropout; forward tiles (fp32, bf16); direct rows
-// (decoding); forward driver; backward; C entry points.
+// Sections: vector helpers; parameters; packing; dropout; forward tiles (fp32, bf16 vdpbf16ps,
+// AMX); direct rows (decoding); forward driver; backward; C entry points.
 
 #include <algorithm>
 #include <cmath>
@@ -750,6 +753,14 @@ __attribute__((noinline)) void pv_tile_bf16(const uint16_t* pbh, const float* al
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * dvp + c * W, acc[r][c]);
 }
 
+// Rows of x (floats, BK per row) as bf16 rows (round to nearest even).
+inline void bf16_rows(const float* x, int nrows, uint16_t* dst) {
+    for (int r = 0; r < nrows; ++r)
+        for (int c = 0; c < BK; c += 2 * W)
+            _mm512_storeu_si512(dst + r * BK + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * BK + c + W),
+                                                                               _mm512_loadu_ps(x + r * BK + c)));
+}
+
 template <int RR>
 void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* kt2, const uint16_t* vp2, int64_t dvp,
                float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
@@ -760,12 +771,7 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
-    for (int r = 0; r < RR; ++r)
-        for (int c = 0; c < BK / (2 * W); ++c) {
-            const float* x = pb + r * BK + c * 2 * W;
-            _mm512_storeu_si512(pbh + r * BK + c * 2 * W,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
-        }
+    bf16_rows(pb, RR, pbh);
     const int vpairs = (rule.nk + 1) / 2;
     column_chunks(dvp, [&](auto nv, int64_t c) {
         pv_tile_bf16<RR, decltype(nv)::value>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
@@ -856,14 +862,6 @@ inline void bf16_row_pairs(const float* x, int nrows, uint16_t* dst) {
             const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * BK + c));
             _mm512_storeu_si512(dst + r * BK + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
         }
-}
-
-// Rows of x (floats, BK per row) as bf16 rows (round to nearest even).
-inline void bf16_rows(const float* x, int nrows, uint16_t* dst) {
-    for (int r = 0; r < nrows; ++r)
-        for (int c = 0; c < BK; c += 2 * W)
-            _mm512_storeu_si512(dst + r * BK + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * BK + c + W),
-                                                                               _mm512_loadu_ps(x + r * BK + c)));
 }
 
 // One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. qb has
@@ -1184,7 +1182,9 @@ void run_all(const JsParams& p) {
 // dP = dO.V^T, dS = P * (dP - delta) (times the softcap derivative); then dV += P^T.dO,
 // dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end). With dropout, Z (the
 // forward's mask, recomputed) gives dV += (P o Z)^T.dO and dS = P * (dP o Z - delta); delta =
-// rowsum(dO o O) is unchanged (O is the dropped output).
+// rowsum(dO o O) is unchanged (O is the dropped output). On AMX (bf16) the five products are tiles
+// of 16 rows: dV and dK accumulate transposed (dV^T += dO^T.P over the chunk's rows, 32 at a time)
+// and are transposed back once per key block.
 //
 // A paged cache is read in place through the block table, and dK/dV are cache-shaped. Sequences
 // may share cache blocks (prefix caching; a row may even list a block twice), so a block's dK/dV

@@ -176,7 +176,7 @@ def part1(world_sizes, lengths, rounds):
     from jagged_sdpa.distributed.plan import plan_shards
 
     rate, single = kernel_rate(lengths, rounds)
-    print(f"## Measured: gloo on this machine\n")
+    print("## Measured: gloo on this machine\n")
     print(f"batch: W1 lengths scaled to {sum(lengths)} tokens ({len(lengths)} sequences), Hq={SHAPE['hq']} "
           f"Hkv={SHAPE['hkv']} D=Dv={SHAPE['d']} fp32, causal, forward+backward, 1 thread per process")
     print(f"single process: {single * 1e3:.1f} ms, kernel rate F = {rate / 1e9:.1f} GFLOP/s (forward-equivalent "

@@ -23,22 +23,30 @@ def _forced(backend) -> Optional[Backend]:
     return None if backend is None else to_backend(backend)
 
 
-def _host_read(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[int], device: torch.device,
-               why: Optional[str] = None) -> bool:
+def _host_read(max_q: Optional[int], max_k: Optional[int], device: torch.device, why: Optional[str] = None) -> bool:
     """Whether this call reads its lengths on the host now (``layout.host_read_needed``, or ``why``
     one is needed). Inside ``torch.compile`` nothing is read (a read is data the trace cannot
-    see: the operator checks the contents when it runs), so a call that needs one is refused."""
+    see: the operator checks the contents when it runs); a call that cannot do without one is
+    refused (``_missing_max``)."""
     if not torch.compiler.is_compiling():
         return why is not None or layout.host_read_needed(device, max_q, max_k)
     if why is not None:
         raise ValueError(f"{why} need a host read of the offsets, which torch.compile cannot trace: call it "
                          f"outside the compiled region")
-    missing = [name for name, m in ((name_q, max_q), (name_k, max_k)) if m is None]
-    if missing:
-        raise ValueError(f"under torch.compile the maximum sequence lengths must be known without reading tensor "
-                         f"data: pass {' and '.join(missing)} (ints)" + (
-                             " (NJTs built by torch.nested carry it)" if "cached" in missing[0] else ""))
     return False
+
+
+def _missing_max(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[int]) -> Optional[str]:
+    """Under ``torch.compile``, the refusal of a call whose max lengths are unknown, else None.
+    Raised when the operator runs (``PackedCall.refusal``), so the user gets this ValueError
+    itself, with or without ``fullgraph``, where raising while tracing would reach them wrapped in
+    Dynamo's error or, without ``fullgraph``, break the graph and run the call eagerly."""
+    missing = [name for name, m in ((name_q, max_q), (name_k, max_k)) if m is None]
+    if not missing or not torch.compiler.is_compiling():
+        return None
+    return (f"under torch.compile the maximum sequence lengths must be known without reading tensor data: pass "
+            f"{' and '.join(missing)} (ints)" + (" (NJTs built by torch.nested carry it)" if "cached" in missing[0]
+                                                 else ""))
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -85,8 +93,8 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     # Holes are gathered, and a value with offsets of its own compared to key's, from a host read.
     why_read = ("NJTs with holes (lengths())" if has_holes else
                 "value with offsets other than key's" if "value" in njts else None)
-    read = _host_read("query's cached max seqlen", given_q, "key's cached max seqlen", given_k, query.device,
-                      why_read)
+    read = _host_read(given_q, given_k, query.device, why_read)
+    refusal = _missing_max("query's cached max seqlen", given_q, "key's cached max seqlen", given_k)
     host = layout.read_host(*tensors) if read else None
 
     def host_of(name):
@@ -112,6 +120,9 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
             v_packed, _ = layout.njt_packed(value)
+    if refusal is not None:  # upper bounds to trace with; the operator refuses the call when it runs
+        stats_q = layout.SeqlenStats(None, q_packed.shape[0], True)
+        stats_k = layout.SeqlenStats(None, k_packed.shape[0], True)
     if kv_dense:
         # Every Lq <= max_seqlen_q == S and they sum to B * S: all equal S, no read needed.
         equal = stats_q.max_seqlen == seq_k and q_packed.shape[0] == batch * seq_k
@@ -151,7 +162,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
-                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None)
+                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None, refusal=refusal)
     return call, forced, tuple(notes)
 
 
@@ -238,7 +249,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             causal_alignment, window_size, softcap, alibi_slopes, backend)
     call = _with_dropout_key(call)
-    chosen = choose(call.spec, forced, notes)
+    chosen = choose(call.spec, forced, notes) if call.refusal is None else None
     out = _dropped(ops.run(chosen, call).out, dropout_p)
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
@@ -276,7 +287,11 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
     paged = block_table is not None
 
-    read = _host_read("max_seqlen_q", max_q, "max_seqlen_k", max_k, q.device)
+    read = _host_read(max_q, max_k, q.device)
+    refusal = _missing_max("max_seqlen_q", max_q, "max_seqlen_k", max_k)
+    if refusal is not None:  # upper bounds to trace with; the operator refuses the call when it runs
+        max_q = q.shape[0] if max_q is None else max_q
+        max_k = (k.shape[0] * (k.shape[1] if paged else 1)) if max_k is None else max_k
     if read:
         to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
                                     [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
@@ -308,7 +323,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
     )
     call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host)
+                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host, refusal=refusal)
     return call, forced, notes
 
 
@@ -348,7 +363,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                           return_lse, block_table, seqused_k, backend)
     call = _with_dropout_key(call)
-    chosen = choose(call.spec, forced, notes)
+    chosen = choose(call.spec, forced, notes) if call.refusal is None else None
     result = ops.run(chosen, call)
     out = _dropped(result.out, dropout_p)
     return (out, result.lse) if return_lse else out

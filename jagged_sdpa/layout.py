@@ -57,9 +57,13 @@ def read_host(*tensors: Tensor) -> list[list[int]]:
                          "cached max seqlen) to describe a call with explain()") from None
 
 
+def _flat_list(t: Tensor) -> list[int]:
+    return t.tolist() if t.dim() == 1 else t.reshape(-1).tolist()
+
+
 def _read(tensors: tuple[Tensor, ...]) -> list[list[int]]:
     if len(tensors) == 1:
-        return [tensors[0].reshape(-1).tolist()]
+        return [_flat_list(tensors[0])]
     unique = []
     for t in tensors:
         if not any(t is u for u in unique):
@@ -67,7 +71,7 @@ def _read(tensors: tuple[Tensor, ...]) -> list[list[int]]:
     if not unique:
         return []
     if unique[0].device.type == "cpu" or len(unique) == 1:
-        lists = [t.reshape(-1).tolist() for t in unique]
+        lists = [_flat_list(t) for t in unique]
     else:
         flat = torch.cat([t.reshape(-1).to(torch.int64) for t in unique]).tolist()
         lists, at = [], 0
@@ -134,8 +138,9 @@ def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], giv
 
 def tensor_size(x: Tensor) -> tuple:
     """``tuple(x.shape)``, cheaply for NJTs: their ``.shape`` dispatches to Python (~4 us a read),
-    while the sizes it is made of are stored on the object (ragged dim: its nested int)."""
-    if type(x) is NJT_CLASS:
+    while the sizes it is made of are stored on the object (ragged dim: its nested int). Under
+    torch.compile the public ``.shape`` (Dynamo cannot always wrap the stored nested int)."""
+    if type(x) is NJT_CLASS and not torch.compiler.is_compiling():
         size = getattr(x, "_size", None)
         if type(size) is tuple:
             return size

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.flop_counter import register_flop_formula
 
 from jagged_sdpa import layout, paging
 from jagged_sdpa.backends import IMPLS, Backend
@@ -140,25 +142,44 @@ def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
 # attention: forward
 
 
+# A ``backend`` argument starting with this carries a refusal instead (``PackedCall.refusal``).
+_REFUSED = "refused: "
+
+
+def _impl_of(backend: str):
+    """The backend an operator call names; a refused call raises its ValueError here, when the
+    operator runs."""
+    if backend.startswith(_REFUSED):
+        raise ValueError(backend[len(_REFUSED):])
+    return IMPLS[Backend(backend)]
+
+
 def _lse_rows(spec: AttnSpec) -> int:
     """The lse is returned when asked for or needed by the backward; else an empty (Hq, 0)."""
     return spec.total_q if (spec.return_lse or spec.needs_grad) else 0
 
 
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
-               options, max_seqlen_q, max_seqlen_k):
-    call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    options, max_seqlen_q, max_seqlen_k)
+def _keeping_lse(call: PackedCall) -> PackedCall:
+    """A call that needs a gradient asks its backend for the lse, which the backward reads."""
+    return call.replace(spec=call.spec.replace(return_lse=True)) if call.spec.needs_grad else call
+
+
+def _forward(backend: str, call: PackedCall) -> tuple:
+    """The operator's real implementation, given its call: (out, lse, state list)."""
     spec = call.spec
-    impl = IMPLS[Backend(backend)]
-    if spec.needs_grad:
-        call = call.replace(spec=spec.replace(return_lse=True))
     with torch.no_grad():
-        result = impl.forward(call)
+        result = _impl_of(backend).forward(_keeping_lse(call))
     lse = result.lse
     if lse is None:
-        lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=q.device)
+        lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=call.q.device)
     return result.out, lse, list(result.state or ())
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
+               options, max_seqlen_q, max_seqlen_k):
+    _impl_of(backend)  # a refused call is refused before its contents are read
+    return _forward(backend, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+                                      dropout_key, options, max_seqlen_q, max_seqlen_k))
 
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
@@ -167,7 +188,8 @@ def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                     max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
-    return out, lse, list(IMPLS[Backend(backend)].fake_state(call))
+    state = () if backend.startswith(_REFUSED) else IMPLS[Backend(backend)].fake_state(call)
+    return out, lse, list(state)
 
 
 _LIB.impl("attention", _attention, "CompositeExplicitAutograd")
@@ -182,7 +204,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seq
                         alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
     call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
                     options, max_seqlen_q, max_seqlen_k)
-    impl = IMPLS[Backend(backend)]
+    impl = _impl_of(backend)
     grads = impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
     return list(grads)
 
@@ -226,13 +248,88 @@ def _backward(ctx, grad_out, _grad_lse, _grad_state):
 torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_context=_setup_context, lib=_LIB)
 
 
-def run(backend: Backend, call: PackedCall) -> AttnOutput:
-    """Run ``call`` on ``backend`` through the operator: (out, lse or None)."""
+# ----------------------------------------------------------------------------------------------
+# FLOP counts (torch.utils.flop_counter.FlopCounterMode), by torch's own convention for attention:
+# 2 * m * n * k per matmul, over the full Lq x Lk of each sequence (masks not discounted); forward
+# Q.K^T and P.V, backward those recomputed or propagated through five matmuls.
+
+
+def _pairs(q: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+           max_seqlen_k) -> int:
+    """Sum over sequences of Lq * Lk, read from the offsets; with fake or meta offsets (a count
+    taken while tracing) an upper bound: every query against ``max_seqlen_k`` keys."""
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    if any(t is not None and (t.device.type == "meta" or is_fake(t)) for t in index):
+        return int(q.shape[0]) * int(max_seqlen_k)
+    host = layout.read_host(*[t for t in index if t is not None])
+    lengths_q = [b - a for a, b in zip(host[0][:-1], host[0][1:])]
+    if seqused_k is not None:
+        lengths_k = host[-1]
+    else:
+        lengths_k = [b - a for a, b in zip(host[1][:-1], host[1][1:])]
+    return sum(a * b for a, b in zip(lengths_q, lengths_k))
+
+
+@register_flop_formula(torch.ops.jagged_sdpa.attention, get_raw=True)
+def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args, out_val=None, **_kwargs) -> int:
+    max_seqlen_k = _args[-1]
+    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
+        q.shape[-1] + v.shape[-1])
+
+
+@register_flop_formula(torch.ops.jagged_sdpa.attention_backward, get_raw=True)
+def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args,
+                              out_val=None, **_kwargs) -> int:
+    max_seqlen_k = _args[-1]
+    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
+        3 * q.shape[-1] + 2 * v.shape[-1])
+
+
+def _unobserved(call: PackedCall) -> bool:
+    """Whether nothing could see the operator run: eager, plain tensors, no dispatch or function
+    mode, no profiler. Such a call runs the operator's implementations directly (the same
+    functions, the same results), which saves the dispatcher's round trip into Python (~10 us of a
+    ~65 us tiny call) and, with a gradient, ``register_autograd``'s generic wrapper (pytrees over
+    the ``Tensor[]`` state and the schema's defaults: ~190 us of a ~370 us tiny training call)."""
+    return (not torch.compiler.is_compiling() and all(type(t) is Tensor for t in (call.q, call.k, call.v))
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._autograd._profiler_enabled())
+
+
+class _UnobservedAttention(torch.autograd.Function):
+    """An unobserved call that needs a gradient: the backend's forward and backward, as the
+    operator runs them, under one plain autograd Function (whose forward runs without grad)."""
+
+    @staticmethod
+    def forward(ctx, impl, call: PackedCall, q, k, v, alibi_slopes):
+        result = impl.forward(_keeping_lse(call))
+        ctx.impl, ctx.call = impl, call
+        ctx.save_for_backward(q, k, v, result.out, result.lse, *result.state)
+        ctx.mark_non_differentiable(result.lse)
+        return result.out, result.lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, *state = ctx.saved_tensors
+        grads = ctx.impl.backward(ctx.call.replace(q=q, k=k, v=v), out, lse, grad_out.contiguous(), tuple(state))
+        return None, None, grads[0], grads[1], grads[2], grads[3] if len(grads) > 3 else None
+
+
+def run(backend: Optional[Backend], call: PackedCall) -> AttnOutput:
+    """Run ``call`` on ``backend`` through the operator: (out, lse or None). A call with a
+    ``refusal`` (and no backend) is traced all the same and raises it when the operator runs."""
     spec = call.spec
+    if call.refusal is None and _unobserved(call):
+        if spec.needs_grad:
+            out, lse = _UnobservedAttention.apply(IMPLS[backend], call, call.q, call.k, call.v, call.alibi_slopes)
+            return AttnOutput(out, lse if spec.return_lse else None)
+        result = IMPLS[backend].forward(call)  # what ``_forward`` does, without the lse it must return
+        return result if spec.return_lse or result.lse is None else AttnOutput(result.out, None)
     compiling = torch.compiler.is_compiling()
     _handover.call = None if compiling else call
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
-            call.alibi_slopes, call.dropout_key, backend.value, options_of(spec), spec.max_seqlen_q,
+            call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
+            options_of(spec), spec.max_seqlen_q,
             spec.max_seqlen_k)
     try:
         if spec.needs_grad or compiling:

@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from jagged_sdpa.backends import DEFAULT_ORDER, IMPLS, Backend
+from jagged_sdpa.backends import CPU_ORDER, DEFAULT_ORDER, IMPLS, Backend
 from jagged_sdpa.errors import NoBackendError
 from jagged_sdpa.spec import AttnSpec
 
@@ -56,16 +56,19 @@ def use_backends(*backends: Union[Backend, str]) -> Iterator[tuple[Backend, ...]
         _ORDER.reset(token)
 
 
-def current_order() -> tuple[Backend, ...]:
-    """The order in force. Inside ``torch.compile`` it is read when the function is traced, and the
-    compiled code keeps it (Dynamo cannot trace a ContextVar): enter ``use_backends`` before the
-    first call of a compiled function."""
-    return _traced_order() if torch.compiler.is_compiling() else (_ORDER.get() or DEFAULT_ORDER)
+def current_order(device_type: Optional[str] = None) -> tuple[Backend, ...]:
+    """The order in force for tensors on ``device_type``: ``use_backends``'s, else the default one
+    (``CPU_ORDER`` for CPU tensors). Inside ``torch.compile`` it is read when the function is traced,
+    and the compiled code keeps it (Dynamo cannot trace a ContextVar): enter ``use_backends`` before
+    the first call of a compiled function."""
+    if torch.compiler.is_compiling():
+        return _traced_order(device_type)
+    return _ORDER.get() or (CPU_ORDER if device_type == "cpu" else DEFAULT_ORDER)
 
 
 @torch.compiler.assume_constant_result
-def _traced_order() -> tuple[Backend, ...]:
-    return _ORDER.get() or DEFAULT_ORDER
+def _traced_order(device_type: Optional[str]) -> tuple[Backend, ...]:
+    return _ORDER.get() or (CPU_ORDER if device_type == "cpu" else DEFAULT_ORDER)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class Explanation:
 
 def select(spec: AttnSpec, forced: Optional[Backend] = None) -> Explanation:
     """Compute every backend's reasons and take the first eligible one in order."""
-    order = (forced,) if forced is not None else current_order()
+    order = (forced,) if forced is not None else current_order(spec.device_type)
     reasons = {b: list(IMPLS[b].reasons(spec)) for b in order}
     chosen = next((b for b in order if not reasons[b]), None)
     notes = IMPLS[chosen].plan_notes(spec) if chosen is not None else ()
@@ -118,7 +121,7 @@ def choose(spec: AttnSpec, forced: Optional[Backend], notes: tuple[str, ...] = (
     # Inside torch.compile this runs once, at trace time, and logs nothing (Dynamo cannot trace a
     # logger): ``explain`` on the same arguments shows the choice.
     if torch.compiler.is_compiling() or not log.isEnabledFor(logging.DEBUG):
-        for backend in (forced,) if forced is not None else current_order():
+        for backend in (forced,) if forced is not None else current_order(spec.device_type):
             if not IMPLS[backend].reasons(spec):
                 return backend
     explanation = with_notes(select(spec, forced), notes)

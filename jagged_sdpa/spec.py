@@ -17,6 +17,19 @@ import torch
 from torch import Tensor
 
 Alignment = Literal["top_left", "bottom_right"]
+
+
+def _replaced(obj, changes: dict):
+    """``dataclasses.replace`` for our frozen dataclasses (no ``__post_init__``, every field in
+    ``__init__``) at half its cost: specs and calls are replaced a few times per call."""
+    names = _FIELD_NAMES[type(obj)]
+    unknown = changes.keys() - names
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    for name in names:
+        object.__setattr__(new, name, changes[name] if name in changes else getattr(obj, name))
+    return new
 ALIGNMENTS: tuple[str, ...] = ("top_left", "bottom_right")
 
 
@@ -67,7 +80,7 @@ class AttnSpec:
         return self.window != (-1, -1)
 
     def replace(self, **changes) -> "AttnSpec":
-        return dataclasses.replace(self, **changes)
+        return _replaced(self, changes)
 
     def describe(self) -> str:
         """One line describing the call, the header of explain tables and errors."""
@@ -106,6 +119,8 @@ class PackedCall:
     *_host: the same lengths read once on the host by ``layout.seqlen_stats`` (None when the call
     was made without a host read, see ``AttnSpec.lengths_known``). dropout_key: int64 CPU (2,)
     [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
+    refusal: why the call may not run, raised as a ValueError when its operator runs (a call
+    traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
     """
 
     q: Tensor
@@ -121,9 +136,10 @@ class PackedCall:
     cu_k_host: Optional[tuple[int, ...]] = None
     seqused_k_host: Optional[tuple[int, ...]] = None
     dropout_key: Optional[Tensor] = None
+    refusal: Optional[str] = None
 
     def replace(self, **changes) -> "PackedCall":
-        return dataclasses.replace(self, **changes)
+        return _replaced(self, changes)
 
     def slopes_of(self, b: int) -> Optional[Tensor]:
         """ALiBi slopes (Hq,) of sequence b, from either accepted shape, or None."""
@@ -156,3 +172,6 @@ class AttnOutput(NamedTuple):
     out: Tensor
     lse: Optional[Tensor]
     state: tuple = ()
+
+
+_FIELD_NAMES = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (AttnSpec, PackedCall)}

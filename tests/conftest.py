@@ -20,10 +20,3 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
-
-@pytest.fixture
-def torch_engines(monkeypatch):
-    """CPU_FUSED without its compiled kernel: the torch-op engines, as on a machine without a C++
-    compiler (and as float64, dropout and paged calls always run). Engine tests use it."""
-    from jagged_sdpa.backends.cpu import native
-    monkeypatch.setattr(native, "library", lambda: None)

@@ -10,8 +10,8 @@ Design
   a NaN-filled cache), ``sdpa`` (NJT q/k/v, cross lengths, both causal alignments, GQA) and
   ``sdpa_dense`` (NJT q, dense K/V), ``append`` (``paged_append``, then a paged attention call on
   the appended cache). Backends: ``auto`` (automatic selection), ``math``, ``cpu_fused`` (the
-  compiled kernel where it applies), ``cpu_torch`` (``cpu_fused`` with its compiled kernel switched
-  off, as the tests' ``torch_engines`` fixture does), ``triton`` (the interpreter,
+  compiled kernel; it refuses float64), ``no_kernel`` (automatic selection with the compiled kernel
+  switched off by ``JAGGED_SDPA_NATIVE=0``, as on a machine without a C++ compiler), ``triton`` (the interpreter,
   ``TRITON_INTERPRET=1`` only around the call; small shapes, fp32/fp16 only).
 * Inputs: contiguous, row-strided views into NaN-filled buffers, and last-dim-strided views
   (stride 2) into NaN buffers; a read outside the view poisons the result. Gradients are taken with
@@ -54,7 +54,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -96,7 +95,7 @@ from cases import cu_of, paged_case  # noqa: E402
 from reference import attention_reference  # noqa: E402
 from tolerances import tolerance  # noqa: E402
 
-BACKENDS = ("auto", "math", "cpu_fused", "cpu_torch", "triton")
+BACKENDS = ("auto", "math", "cpu_fused", "no_kernel", "triton")
 ENTRIES = ("varlen", "paged", "sdpa", "sdpa_dense", "append")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # Low-precision error allowed: FUDGE x the error of the same math in float32 rounded to the dtype
@@ -117,7 +116,7 @@ def _pick(rng, weighted):
 def make_case(seed: int, index: int, backend=None, entry=None) -> dict:
     """One call, drawn from (seed, index) only; ``backend``/``entry`` restrict the draw."""
     rng = random.Random(f"{seed}-{index}")
-    be = backend or _pick(rng, [("auto", 40), ("math", 15), ("cpu_fused", 20), ("cpu_torch", 15),
+    be = backend or _pick(rng, [("auto", 40), ("math", 15), ("cpu_fused", 25), ("no_kernel", 10),
                                 ("triton", 10 if TRITON_OK else 0)])
     en = entry or _pick(rng, [("varlen", 30), ("paged", 25), ("sdpa", 20), ("sdpa_dense", 10), ("append", 15)])
     small = be == "triton"
@@ -477,7 +476,7 @@ class Refused(Exception):
 
 @contextlib.contextmanager
 def backend_context(name):
-    """Environment of one backend: the interpreter switch for triton, no compiled kernel for cpu_torch."""
+    """Environment of one backend: the interpreter switch for triton, no compiled kernel for no_kernel."""
     if name == "triton":
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
@@ -488,19 +487,24 @@ def backend_context(name):
                 os.environ.pop("TRITON_INTERPRET", None)
             else:
                 os.environ["TRITON_INTERPRET"] = old
-    elif name == "cpu_torch":
-        saved = native.library
-        native.library = lambda: None
+    elif name == "no_kernel":
+        old = os.environ.get("JAGGED_SDPA_NATIVE")
+        os.environ["JAGGED_SDPA_NATIVE"] = "0"
+        native.reset()
         try:
             yield
         finally:
-            native.library = saved
+            if old is None:
+                os.environ.pop("JAGGED_SDPA_NATIVE", None)
+            else:
+                os.environ["JAGGED_SDPA_NATIVE"] = old
+            native.reset()
     else:
         yield
 
 
 def _forced(case):
-    return {"auto": None, "math": "math", "cpu_fused": "cpu_fused", "cpu_torch": "cpu_fused",
+    return {"auto": None, "math": "math", "cpu_fused": "cpu_fused", "no_kernel": None,
             "triton": "triton"}[case["backend"]]
 
 
@@ -763,7 +767,7 @@ def _run_case(case):
     except NoBackendError as exc:
         if case["invalid"]:
             raise Failure(f"invalid input ({case['invalid']}): NoBackendError instead of ValueError/TypeError")
-        if case["backend"] in ("cpu_fused", "cpu_torch", "triton"):
+        if case["backend"] in ("cpu_fused", "triton"):
             return "refused", str(exc).splitlines()[0]
         raise Failure(f"NoBackendError on a valid call: {_one_line(exc)}")
     except (ValueError, TypeError) as exc:
@@ -828,7 +832,7 @@ def _run_meta(case, b):
         with backend_context(case["backend"]):
             out, lse = call_library(case, meta)
     except NoBackendError as exc:
-        if case["backend"] in ("cpu_fused", "cpu_torch", "triton"):
+        if case["backend"] in ("cpu_fused", "triton"):
             return "refused", "meta"
         raise Failure(f"meta tensors: NoBackendError: {_one_line(exc)}")
     except (ValueError, TypeError) as exc:
@@ -877,7 +881,6 @@ def logit_rounding_bound(case, b, ref, c=2.0):
     d = case["d"]
     scale = 1.0 / math.sqrt(d) if case["scale"] is None else case["scale"]
     q, k, v = b["q"].double().nan_to_num(0.0), b["k"].double().nan_to_num(0.0), b["v"].double().nan_to_num(0.0)
-    clean = {**b, "q": q, "k": k, "v": v}
     # p from the naive path in float64 (the same masks); E = c u sqrt(D) scale sum_j p_ij |q_i||k_j||v_j - out_i|
     group = case["hq"] // case["hkv"]
     cu_q = [int(x) for x in b["cu_q"]]
@@ -1167,30 +1170,10 @@ def _nan_equal(a, c):
 # known open bugs: one entry per class, (case, message) -> bool. Delete an entry once its fix
 # lands; tests/test_fuzz.py toggles them one by one. The nine classes of issue 11 (and the eight
 # this fuzzer found beside them) are fixed and their entries deleted: they fail as new bugs again.
+# Issue 14 retired the torch-op engines, and with them torch_engines_backward_huge_logits.
 
 
-def _native(case):
-    """The compiled kernel may run this forward (fp32/fp16/bf16, cpu_fused or auto, last dim
-    contiguous)."""
-    return case["backend"] in ("auto", "cpu_fused") and case["dtype"] != "float64" and case["layout"] != "lastdim"
-
-
-def _torch_engines_backward(case):
-    """The torch-op engines run this call's backward: forced (cpu_torch), or what the compiled
-    kernel does not take (float64, a strided last dim)."""
-    return case["grad"] and (case["backend"] == "cpu_torch" or not _native(case))
-
-
-KNOWN = {
-    # OPEN (long run of session 4): the torch-op engines' FlashAttention-style backward with huge
-    # logits (softmax_scale 45-120 on unit-variance q/k): gradients off by up to ~0.9 where float64
-    # gives 0 (a single key) or ~1% elsewhere. delta = rowsum(dO * out) from the stored, rounded
-    # output, and P recomputed from the forward's lse, differ from the exact values by a rounding
-    # error that the scale multiplies. The compiled kernel passes the same cases (paged calls with
-    # a gradient run it since, packed); issue 14 retires these engines.
-    "torch_engines_backward_huge_logits": lambda c, m: c["scores"] == "huge" and _torch_engines_backward(c)
-    and m.startswith("d"),
-}
+KNOWN: dict = {}
 
 
 def classify(case, message):

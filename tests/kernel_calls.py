@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jagged_sdpa
 import torch
-from jagged_sdpa.backends.cpu import native
+from jagged_sdpa import layout
+from jagged_sdpa.backends.cpu import CpuFusedBackend, native
 from jagged_sdpa.backends.math import MathBackend
 from jagged_sdpa.spec import PackedCall
 
@@ -25,7 +26,8 @@ def packed_call(q, k, v, cu_q, cu_k, *, alignment="bottom_right", alibi_slopes=N
 
 def kernel_forward(call: PackedCall):
     """(out, lse) of the compiled kernel; fails if the kernel would not take the call."""
-    assert native.skip_reason(call.spec) is None, native.skip_reason(call.spec)
+    assert not CpuFusedBackend.reasons(call.spec), CpuFusedBackend.reasons(call.spec)
+    assert layout.last_dim_contiguous(call.q, call.k, call.v)  # the backend copies others first
     out = call.q.new_empty(call.spec.total_q, call.spec.heads_q, call.spec.head_dim_v)
     lse = torch.empty(call.spec.heads_q, call.spec.total_q)
     native.forward(call, out, lse)
@@ -34,10 +36,40 @@ def kernel_forward(call: PackedCall):
 
 def kernel_backward(call: PackedCall, out, lse, grad_out):
     """(dq, dk, dv) of the compiled kernel's backward."""
-    assert native.backward_skip_reason(call.spec) is None, native.backward_skip_reason(call.spec)
+    spec = call.spec.replace(needs_grad=True)
+    assert not CpuFusedBackend.reasons(spec), CpuFusedBackend.reasons(spec)
     return native.backward(call, out, lse, grad_out)
 
 
 def math_forward(call: PackedCall):
     """out of MATH on the same call (the low-precision error bound of a comparison)."""
     return MathBackend.forward(call).out
+
+
+def assert_math_takes_over(reason: str, head_dim: int = 16) -> None:
+    """A CPU call CPU_FUSED refuses with ``reason`` (in its reasons, ``explain`` and the forced
+    backend's error) runs on MATH, and its out, lse and gradients equal the float64 reference."""
+    from jagged_sdpa import Backend, NoBackendError
+    from cases import cu_of
+    from reference import attention_reference
+    from tolerances import assert_close_lse, assert_close_packed
+
+    x = torch.randn(12, 2, head_dim, requires_grad=True)
+    cu = cu_of([5, 7])
+    explained = jagged_sdpa.explain(x, x, x, cu, cu, causal=True)
+    refused = "; ".join(explained.reasons[Backend.CPU_FUSED])
+    assert explained.chosen == Backend.MATH and reason in refused, str(explained)
+    try:
+        jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend="cpu_fused")
+        raise AssertionError("a forced cpu_fused ran a call it refuses")
+    except NoBackendError as error:
+        assert "forced backend cpu_fused cannot take this call" in str(error) and reason in str(error)
+    out, lse = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, return_lse=True)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x64 = x.detach().double().requires_grad_(True)
+    ref, ref_lse = attention_reference(x64, x64, x64, cu, cu, causal=True)
+    ref.backward(grad.double())
+    assert_close_packed(out, ref, cu_seqlens=cu)
+    assert_close_lse(lse, ref_lse)
+    assert_close_packed(x.grad, x64.grad, cu_seqlens=cu, name="dx", grad=True)

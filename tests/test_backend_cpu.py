@@ -1,26 +1,32 @@
-"""CPU_FUSED against the float64 reference: forward (out + lse) and backward for every option,
-both engines (fused kernel and blocked matmuls), every dtype, paged and dense keys, and the
-things a fast path gets wrong first: empty and length-1 sequences, rows that see no key, strided
-inputs, NaN tails, many blocks per sequence, dropout replay in the backward.
+"""What runs a CPU call, against the float64 reference: the compiled kernel (CPU_FUSED) for
+fp32/fp16/bf16, and MATH for float64 (CPU_FUSED refuses it: the kernel computes in float32), both
+through automatic selection. Forward (out + lse) and backward for every option and dtype, paged and
+dense keys, and the things a fast path gets wrong first: empty and length-1 sequences, rows that
+see no key, strided inputs, NaN tails, many work items and blocks per sequence, dropout replay in
+the backward; and that ``explain``, the log and a forced ``cpu_fused`` say why float64 goes to MATH.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
 import jagged_sdpa
-from jagged_sdpa import Backend
-from jagged_sdpa.backends.cpu import backend as cpu_backend
-from jagged_sdpa.backends.cpu import blocked, fused, native
+from jagged_sdpa import Backend, NoBackendError
+from jagged_sdpa.backends import keyed_dropout
+from jagged_sdpa.backends import math as math_backend
+from jagged_sdpa.backends.cpu import native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
 
 CPU = Backend.CPU_FUSED
+FLOAT64_REASON = "dtype float64 not supported (supported: bfloat16, float16, float32): the compiled kernel computes in float32"
 
 # Ragged, with an empty query sequence, an empty key sequence, length 1, and one sequence long
-# enough for several blocks once the block size is shrunk (see ``small_blocks``).
+# enough for several work items / blocks once they are shrunk (see ``split``).
 Q_LENS = [5, 0, 1, 37, 20, 3]
 K_LENS = [7, 3, 0, 37, 45, 1]
 
@@ -38,24 +44,22 @@ OPTIONS = {
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["native", "default_blocks", "small_blocks"])
-def block_size(request, monkeypatch):
-    """Run the compiled kernel (split into work items of 8 query rows, with direct rows up to 3
-    queries), and the torch-op engines with the shipped block sizes and with tiny ones (many blocks
-    per sequence, so the visible-key ranges and per-block masks are exercised on small, fast
-    shapes). The backward always runs the torch-op engines, after either forward."""
-    if request.param == "native":
-        if native.library() is None:
-            pytest.skip(f"compiled kernel unavailable: {native.unavailable_reason()}")
+def expected_backend(dtype: torch.dtype) -> Backend:
+    """What automatic selection runs on the CPU: the compiled kernel, or MATH for float64 (and
+    where the kernel cannot be built)."""
+    return Backend.MATH if dtype == torch.float64 or native.library() is None else CPU
+
+
+@pytest.fixture(params=["shipped", "small"])
+def split(request, monkeypatch):
+    """The shipped work split, and a small one: the kernel's work items of 8 query rows with direct
+    rows up to 3 queries over steps of 16 keys, and MATH's blocks of about 4 query rows (many per
+    sequence, so visible-key ranges and per-block masks are exercised on small, fast shapes)."""
+    if request.param == "small":
         monkeypatch.setattr(native, "Q_CHUNK", 8)
         monkeypatch.setattr(native, "DIRECT_ROWS", 3)
-        return request.param
-    monkeypatch.setattr(native, "library", lambda: None)
-    if request.param == "small_blocks":
-        monkeypatch.setattr(fused, "BLOCK_ROWS", 8)
-        monkeypatch.setattr(fused, "DIAGONAL_ROWS", 8)
-        monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
-        monkeypatch.setattr(blocked, "MIN_ROWS", 4)
+        monkeypatch.setattr(native, "DIRECT_KEYS", 16)
+        monkeypatch.setattr(math_backend, "SCORE_BUDGET_BYTES", 4 * 45 * 4 * 8)
     return request.param
 
 
@@ -83,10 +87,15 @@ def _reference_grads(q, k, v, q_lens, k_lens, opts, slopes, grad):
     return q64.grad, k64.grad, v64.grad
 
 
-def _run(q, k, v, q_lens, k_lens, opts, slopes, backend=CPU, **extra):
+def _run(q, k, v, q_lens, k_lens, opts, slopes, backend=None, **extra):
+    """(out, lse) of varlen_attention; chosen automatically unless ``backend`` is forced, and then
+    checked to run on ``expected_backend``."""
     call_opts = {key: val for key, val in opts.items() if key != "alibi_slopes"}
-    return jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), alibi_slopes=slopes,
-                                        return_lse=True, backend=backend, **call_opts, **extra)
+    args = (q, k, v, cu_of(q_lens), cu_of(k_lens))
+    kwargs = dict(alibi_slopes=slopes, return_lse=True, **call_opts, **extra)
+    if backend is None:
+        assert jagged_sdpa.explain(*args, **kwargs).chosen == expected_backend(q.dtype)
+    return jagged_sdpa.varlen_attention(*args, backend=backend, **kwargs)
 
 
 def _math_same_dtype(q, k, v, q_lens, k_lens, opts, slopes):
@@ -101,7 +110,7 @@ def _math_same_dtype(q, k, v, q_lens, k_lens, opts, slopes):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_forward_matches_reference(name, dtype, block_size):
+def test_forward_matches_reference(name, dtype, split):
     opts = OPTIONS[name]
     hq, hkv = 4, 2
     q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype)
@@ -127,7 +136,7 @@ def test_gqa_and_head_dims(gqa, dtype):
         assert_close_lse(lse, ref_lse)
 
 
-def test_rows_that_see_no_key_are_zero_with_minus_inf_lse(block_size):
+def test_rows_that_see_no_key_are_zero_with_minus_inf_lse(split):
     # Bottom-right with more queries than keys: the first Lq - Lk rows see nothing under causal;
     # a bounded window leaves rows past the keys empty too.
     q_lens, k_lens = [9, 4, 6], [3, 0, 6]
@@ -153,7 +162,7 @@ def test_empty_and_single_token_batches():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_strided_inputs_in_nan_buffers_are_never_read_outside(dtype, block_size):
+def test_strided_inputs_in_nan_buffers_are_never_read_outside(dtype, split):
     q, k, v = _inputs(Q_LENS, K_LENS, 4, 2, 16, 16, dtype)
     qn, kn, vn = in_nan_buffer(q), in_nan_buffer(k), in_nan_buffer(v)
     assert not qn.is_contiguous()
@@ -174,18 +183,17 @@ def last_dim_strided(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
-def test_strided_last_dim_forward_and_backward(dtype, block_size):
-    """Last dims with stride 2 (q, k, v and grad_out): PyTorch's fused CPU kernel reads the gaps
-    (forward once Lq > 16 and Lq * Lk > 16384, backward once Lq > 16), so the backend copies such
-    tensors to unit stride before any engine runs; then the compiled kernel takes the call."""
+def test_strided_last_dim_forward_and_backward(dtype, split):
+    """Last dims with stride 2 (q, k, v and grad_out): the kernel reads rows of D contiguous
+    elements, so CPU_FUSED copies such tensors to unit stride first (and says so); MATH's torch
+    ops read them as they are."""
     q_lens, k_lens = [200, 3, 40], [200, 5, 60]
     q, k, v = _inputs(q_lens, k_lens, 2, 2, 16, 16, dtype, requires_grad=True)
     grad = torch.randn(sum(q_lens), 2, 16).to(dtype)
     opts = {"causal": True}
     notes = " ".join(jagged_sdpa.explain(*(last_dim_strided(t) for t in (q, k, v)), cu_of(q_lens), cu_of(k_lens),
                                          causal=True).notes)
-    assert "strided last dim are copied to unit stride" in notes
-    assert ("compiled kernel not used" not in notes) == (block_size == "native" and dtype != torch.float64)
+    assert ("strided last dim are copied to unit stride" in notes) == (expected_backend(dtype) == CPU)
     out, lse = _run(*(last_dim_strided(t) for t in (q, k, v)), q_lens, k_lens, opts, None)
     out.backward(last_dim_strided(grad))
     ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, opts, None)
@@ -203,25 +211,26 @@ def test_strided_last_dim_forward_and_backward(dtype, block_size):
         assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True, lowp_ref=low, fudge=3.0)
 
 
-@pytest.mark.parametrize("engines", ["default", "torch_engines"])
-def test_strided_last_dim_paged_cache_backward(engines, monkeypatch):
-    """A paged cache whose last dim is strided: forward and the (torch-op) paged backward."""
-    if engines == "torch_engines":
-        monkeypatch.setattr(native, "library", lambda: None)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_strided_last_dim_paged_cache_backward(dtype):
+    """A paged cache whose last dim is strided, forward and backward (the kernel in float32, MATH
+    in float64): the same numbers as the contiguous call on MATH."""
     q_lens, used = [40, 1, 30], [50, 9, 30]
-    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 2, 16, torch.float32)
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 2, 16, dtype)
     k_cache, v_cache = (torch.nan_to_num(c, nan=0.0) for c in (k_cache, v_cache))
     k_s, v_s = (last_dim_strided(c).requires_grad_(True) for c in (k_cache, v_cache))
-    q = torch.randn(sum(q_lens), 4, 16, requires_grad=True)
-    out = jagged_sdpa.varlen_attention(last_dim_strided(q.detach()).requires_grad_(True), k_s, v_s, cu_of(q_lens),
-                                       None, block_table=table, seqused_k=seqused, causal=True, backend=CPU)
+    q = torch.randn(sum(q_lens), 4, 16, dtype=dtype, requires_grad=True)
+    q_s = last_dim_strided(q.detach()).requires_grad_(True)
+    paged = dict(block_table=table, seqused_k=seqused, causal=True)
+    assert jagged_sdpa.explain(q_s, k_s, v_s, cu_of(q_lens), None, **paged).chosen == expected_backend(dtype)
+    out = jagged_sdpa.varlen_attention(q_s, k_s, v_s, cu_of(q_lens), None, **paged)
     grad = torch.randn_like(out)
     out.backward(last_dim_strided(grad))
     q2, kc2, vc2 = (t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache))
-    ref = jagged_sdpa.varlen_attention(q2, kc2, vc2, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
-                                       causal=True, backend="math")
+    ref = jagged_sdpa.varlen_attention(q2, kc2, vc2, cu_of(q_lens), None, backend="math", **paged)
     ref.backward(grad)
     torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(q_s.grad, q2.grad)
     torch.testing.assert_close(k_s.grad, kc2.grad)
     torch.testing.assert_close(v_s.grad, vc2.grad)
 
@@ -249,7 +258,7 @@ GRAD_OPTIONS = ["plain", "causal", "causal_window", "softcap", "alibi_batch_caus
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
 @pytest.mark.parametrize("name", GRAD_OPTIONS)
-def test_backward_matches_reference(name, dtype, block_size):
+def test_backward_matches_reference(name, dtype, split):
     opts = OPTIONS[name]
     hq, hkv = 4, 2
     q, k, v = _inputs(Q_LENS, K_LENS, hq, hkv, 16, 16, dtype, requires_grad=True)
@@ -277,13 +286,12 @@ def test_backward_matches_reference(name, dtype, block_size):
     (200, 60, {"window_size": (0, 0)}),                      # the first 140 rows see none
     (260, 0, {"causal": True}),                              # no key at all
 ], ids=["one_key_last_block", "lq_gt_lk", "causal_window", "diagonal_window", "no_keys"])
-def test_backward_when_leading_blocks_see_no_key(q_len, k_len, opts, dtype, torch_engines):
-    """Blocks of query rows that see no key, before (or after) blocks that do: the fused engine's
-    backward once indexed the first block's calls (IndexError) when only a later one had any."""
+def test_backward_when_leading_blocks_see_no_key(q_len, k_len, opts, dtype, split):
+    """Work items (the kernel) or blocks of query rows (MATH) that see no key, before or after
+    ones that do: their gradients are 0 and the others' right (a torch-op engine's backward once
+    raised IndexError here)."""
     q_lens, k_lens = [q_len, 3], [k_len, 3]
     q, k, v = _inputs(q_lens, k_lens, 2, 1, 8, 8, dtype, requires_grad=True)
-    spec = jagged_sdpa.explain(q, k, v, cu_of(q_lens), cu_of(k_lens), **opts).spec
-    assert cpu_backend.fused_for_sequence(spec, q_len, k_len, backward=True)
     out, _ = _run(q, k, v, q_lens, k_lens, opts, None)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -294,29 +302,33 @@ def test_backward_when_leading_blocks_see_no_key(q_len, k_len, opts, dtype, torc
 
 
 @pytest.mark.parametrize("opts", [{"causal": True}, {"softcap": 2.0, "window_size": (3, 3)}],
-                         ids=["fused_engine", "blocked_engine"])
+                         ids=["causal", "softcap_window"])
 def test_gradcheck_float64(opts):
+    """float64 runs on MATH (selected automatically): its backward is the forward's derivative."""
     q_lens, k_lens = [3, 1, 0, 5], [4, 2, 1, 5]
     q, k, v = _inputs(q_lens, k_lens, 2, 1, 4, 3, torch.float64, requires_grad=True)
     cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
 
     def f(q, k, v):
-        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, backend=CPU, **opts)
+        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, **opts)
+    assert jagged_sdpa.explain(q, k, v, cu_q, cu_k, **opts).chosen == Backend.MATH
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
 def test_dropout_is_reproducible_and_its_backward_replays_the_forward_masks():
+    """float64 dropout (MATH, the keyed masks): gradcheck passes only if the backward applies the
+    forward's masks."""
     q_lens, k_lens = [3, 6, 1], [5, 6, 2]
     q, k, v = _inputs(q_lens, k_lens, 2, 2, 4, 4, torch.float64, requires_grad=True)
     cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
 
     def f(q, k, v):
         torch.manual_seed(1234)
-        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.3, causal=True, backend=CPU)
+        return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.3, causal=True)
     first, second = f(q, k, v), f(q, k, v)
     assert torch.equal(first, second)
     with torch.no_grad():
-        plain = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=CPU)
+        plain = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
     assert not torch.allclose(first, plain)
     # Same seed before each evaluation = same masks: gradcheck then verifies that the backward
     # replays exactly the forward's dropout masks.
@@ -327,8 +339,9 @@ def test_dropout_is_unbiased():
     q_lens = [40]
     q, k, v = _inputs(q_lens, q_lens, 1, 1, 8, 8, torch.float32)
     cu = cu_of(q_lens)
-    plain = jagged_sdpa.varlen_attention(q, k, v, cu, cu, backend=CPU)
-    mean = sum(jagged_sdpa.varlen_attention(q, k, v, cu, cu, dropout_p=0.5, backend=CPU) for _ in range(400)) / 400
+    assert jagged_sdpa.explain(q, k, v, cu, cu, dropout_p=0.5).chosen == expected_backend(torch.float32)
+    plain = jagged_sdpa.varlen_attention(q, k, v, cu, cu)
+    mean = sum(jagged_sdpa.varlen_attention(q, k, v, cu, cu, dropout_p=0.5) for _ in range(400)) / 400
     assert (mean - plain).abs().mean() < 0.05 * plain.abs().mean() + 0.02
 
 
@@ -344,16 +357,12 @@ def _packed_grads(q, k, v, q_lens, used, opts, grad, dtype):
     return [out] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("engines, paged", [("default", True), ("torch_engines", True), ("torch_engines", False)],
-                         ids=["paged", "paged_torch_engines", "packed_torch_engines"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "packed"])
 @pytest.mark.parametrize("name", list(SHARP))
-def test_bfloat16_sharp_softmax_matches_reference(name, engines, paged, monkeypatch):
-    """The torch-op engines (every paged backward, and everything without the compiled kernel)
-    once rounded the scores S and dP to bf16: an absolute error of |S| * 2^-9 in S is a relative
-    error in P, and dP - delta cancels. Gradients were 10-70x further from float64 than MATH in
-    bf16 (outputs 40x); now within the usual few times."""
-    if engines == "torch_engines":
-        monkeypatch.setattr(native, "library", lambda: None)
+def test_bfloat16_sharp_softmax_matches_reference(name, paged):
+    """Scores S and dP must stay float32: rounded to bf16, an absolute error of |S| * 2^-9 in S is
+    a relative error in P, and dP - delta cancels (a torch-op engine that did so was 10-70x further
+    from float64 than MATH in bf16). Out and gradients within a few times MATH's own bf16 error."""
     opts, amp = SHARP[name]
     q_lens, used, block = [5, 70, 130], [40, 90, 200], 16
     k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, block, 2, 16, torch.bfloat16)
@@ -363,14 +372,14 @@ def test_bfloat16_sharp_softmax_matches_reference(name, engines, paged, monkeypa
     if paged:
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache)]
         out = jagged_sdpa.varlen_attention(*leaves, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
-                                           causal=True, backend=CPU, **opts)
+                                           causal=True, **opts)
         out.backward(grad)
         slots = torch.cat([(table[b, :-(-n // block)].long().unsqueeze(1) * block + torch.arange(block)).flatten()[:n]
                            for b, n in enumerate(used)])
         got = [out, leaves[0].grad] + [t.grad.flatten(0, 1)[slots] for t in leaves[1:]]
     else:
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, pk, pv)]
-        out = jagged_sdpa.varlen_attention(*leaves, cu_of(q_lens), cu_of(used), causal=True, backend=CPU, **opts)
+        out = jagged_sdpa.varlen_attention(*leaves, cu_of(q_lens), cu_of(used), causal=True, **opts)
         out.backward(grad)
         got = [out] + [t.grad for t in leaves]
     ref = _packed_grads(q, pk, pv, q_lens, used, opts, grad, torch.float64)
@@ -391,6 +400,7 @@ def _njt(lengths, heads, dim, dtype=torch.float32, requires_grad=False):
     return leaf.transpose(1, 2), leaf
 
 
+@pytest.mark.skipif(native.library() is None, reason="needs the compiled kernel")
 def test_automatic_selection_picks_cpu_fused_on_cpu():
     q, _ = _njt([3, 8], 2, 8)
     assert jagged_sdpa.explain(q, q, q, is_causal=True).chosen == CPU
@@ -413,23 +423,81 @@ def test_explain_is_silent_when_the_compiled_kernel_runs_every_option():
         assert not jagged_sdpa.explain(x, x, x, cu, cu, **opts).notes
 
 
-def test_explain_says_why_the_compiled_kernel_is_not_used():
-    x = torch.randn(11, 2, 8)
+def test_float64_runs_on_math_and_every_report_says_why(caplog):
+    """float64 on the CPU: cpu_fused refuses it with its reason, selection takes MATH, and the
+    explain table, the DEBUG log line and a forced cpu_fused's error all say so."""
+    x = torch.randn(11, 2, 8, dtype=torch.float64)
     cu = cu_of([3, 8])
-    notes = " ".join(jagged_sdpa.explain(x.double(), x.double(), x.double(), cu, cu).notes)
-    assert "compiled kernel not used (float64: the kernel computes in float32)" in notes
-    notes = " ".join(jagged_sdpa.explain(x.double(), x.double(), x.double(), cu, cu, dropout_p=0.1).notes)
-    assert "compiled kernel not used (float64" in notes and "dropout run as blocked matmuls" in notes
+    explained = jagged_sdpa.explain(x, x, x, cu, cu, causal=True, dropout_p=0.1)
+    assert explained.chosen == Backend.MATH and explained.reasons[CPU] == [FLOAT64_REASON]
+    assert f"cpu_fused      no        {FLOAT64_REASON}" in str(explained) and "chosen: math" in str(explained)
+    with caplog.at_level(logging.DEBUG, logger="jagged_sdpa"):
+        jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True)
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "jagged_sdpa")
+    assert FLOAT64_REASON in logged and "chosen: math" in logged
+    with pytest.raises(NoBackendError) as info:
+        jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend="cpu_fused")
+    text = str(info.value)
+    assert "forced backend cpu_fused cannot take this call" in text and FLOAT64_REASON in text
+    assert "math           yes" in text  # the left-out table names what would take it
 
 
-@pytest.mark.usefixtures("torch_engines")
-def test_explain_says_when_an_option_takes_the_slower_engine():
-    x = torch.randn(11, 2, 8)
-    cu = cu_of([3, 8])
-    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, causal=True).notes)
-    assert "compiled kernel not used (unavailable" in notes and "blocked" not in notes
-    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu, softcap=2.0).notes)
-    assert "softcap" in notes and "blocked matmuls" in notes and "x the time" in notes
+def test_float64_paged_dropout_call_runs_on_math_and_matches_the_reference():
+    """A float64 paged call with dropout and shared cache blocks (automatic selection: MATH) against
+    the float64 reference applying the same keyed mask, forward (out, lse) and backward (q and the
+    cache, shared blocks summed)."""
+    q_lens, used, p = [3, 5, 2, 0], [20, 9, 17, 4], 0.3
+    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 1, 8, torch.float64,
+                                                          shared_first_block=True)
+    k_cache, v_cache = (torch.nan_to_num(c, nan=0.0).requires_grad_(True) for c in (k_cache, v_cache))
+    q = torch.randn(sum(q_lens), 2, 8, dtype=torch.float64, requires_grad=True)
+    kwargs = dict(block_table=table, seqused_k=seqused, causal=True, softcap=5.0, dropout_p=p, return_lse=True)
+    explained = jagged_sdpa.explain(q, k_cache, v_cache, cu_of(q_lens), None, **kwargs)
+    assert explained.chosen == Backend.MATH and explained.reasons[CPU] == [FLOAT64_REASON]
+    torch.manual_seed(11)
+    key = keyed_dropout.draw_key()
+    torch.manual_seed(11)
+    out, lse = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, **kwargs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    slots = torch.cat([(table[b, :-(-n // 8)].long().unsqueeze(1) * 8 + torch.arange(8)).flatten()[:n]
+                       for b, n in enumerate(used)])
+    q64, kc64, vc64 = (t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache))
+    keep = lambda b, lq, lk: keyed_dropout.keep_mask(key, b, 2, torch.arange(lq), torch.arange(lk), p)
+    ref, ref_lse = attention_reference(q64, kc64.flatten(0, 1)[slots], vc64.flatten(0, 1)[slots], cu_of(q_lens),
+                                       cu_of(used), causal=True, alignment="bottom_right", softcap=5.0,
+                                       dropout_p=p, dropout_keep=keep)
+    ref.backward(grad)
+    assert_close_packed(out, ref, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+    assert_close_packed(q.grad, q64.grad, cu_seqlens=cu_of(q_lens), name="dq", grad=True)
+    for name, got, want in (("dk_cache", k_cache.grad, kc64.grad), ("dv_cache", v_cache.grad, vc64.grad)):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_long_float64_sequence_runs_in_math_blocks(monkeypatch):
+    """A long float64 sequence goes to MATH, which never holds more than one block of scores
+    (its budget), forward and backward, and still equals dense SDPA in float64."""
+    sizes = []
+    original = math_backend.attend_block
+
+    def recording(spec, q, k, *args, **kwargs):
+        sizes.append(spec.heads_q * q.shape[0] * k.shape[0] * 8)
+        return original(spec, q, k, *args, **kwargs)
+    monkeypatch.setattr(math_backend, "attend_block", recording)
+    n = 3000
+    x = torch.randn(n, 4, 8, dtype=torch.float64, requires_grad=True)
+    cu = cu_of([n])
+    assert jagged_sdpa.explain(x, x, x, cu, cu, causal=True).chosen == Backend.MATH
+    out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert len(sizes) > 2 and max(sizes) <= math_backend.SCORE_BUDGET_BYTES
+    x64 = x.detach().transpose(0, 1).requires_grad_(True)
+    dense = torch.nn.functional.scaled_dot_product_attention(x64, x64, x64, is_causal=True)
+    dense.backward(grad.transpose(0, 1))
+    torch.testing.assert_close(out, dense.transpose(0, 1))
+    torch.testing.assert_close(x.grad, x64.grad.transpose(0, 1))
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -439,7 +507,7 @@ def test_sdpa_njt_forward_and_backward(alignment):
                                              _njt(lengths_k, 2, 16, requires_grad=True),
                                              _njt(lengths_k, 2, 16, requires_grad=True))
     out = jagged_sdpa.sdpa(q, k, v, is_causal=True, enable_gqa=True, causal_alignment=alignment,
-                           window_size=(7, -1), backend="cpu_fused")
+                           window_size=(7, -1))
     packed_out = out.transpose(1, 2).values()
     grad = torch.randn_like(packed_out)
     packed_out.backward(grad)
@@ -457,7 +525,7 @@ def test_sdpa_dense_kv_matches_reference():
     lengths = [3, 12, 1]
     q, _ = _njt(lengths, 2, 8)
     k, v = torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)
-    out = jagged_sdpa.sdpa(q, k, v, backend="cpu_fused", is_causal=True, causal_alignment="bottom_right")
+    out = jagged_sdpa.sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right")
     pk = k.transpose(1, 2).reshape(21, 2, 8)
     pv = v.transpose(1, 2).reshape(21, 2, 8)
     ref, _ = attention_reference(q.transpose(1, 2).values(), pk, pv, cu_of(lengths), [0, 7, 14, 21],
@@ -478,24 +546,6 @@ def test_paged_decode_few_queries_long_contexts(dtype):
         lowp = jagged_sdpa.varlen_attention(q, pk, pv, cu_of(q_lens), cu_of(used), causal=True, backend="math")
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
     assert_close_lse(lse, ref_lse)
-
-
-def test_paged_backward_scatters_into_the_cache_including_shared_blocks():
-    q_lens, used = [3, 5, 2], [20, 9, 17]
-    k_cache, v_cache, table, seqused, pk, pv = paged_case(q_lens, used, 8, 1, 8, torch.float64, shared_first_block=True)
-    k_cache = torch.nan_to_num(k_cache, nan=0.0).requires_grad_(True)
-    v_cache = torch.nan_to_num(v_cache, nan=0.0).requires_grad_(True)
-    q = torch.randn(sum(q_lens), 2, 8, dtype=torch.float64, requires_grad=True)
-    out = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, block_table=table,
-                                       seqused_k=seqused, causal=True, backend=CPU)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    # The same call through MATH (its blocked backward, another implementation) gives the cache gradients.
-    q2, kc2, vc2 = (t.detach().clone().requires_grad_(True) for t in (q, k_cache, v_cache))
-    jagged_sdpa.varlen_attention(q2, kc2, vc2, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
-                                 causal=True, backend="math").backward(grad)
-    for got, ref in ((q.grad, q2.grad), (k_cache.grad, kc2.grad), (v_cache.grad, vc2.grad)):
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.skipif(native.library() is None, reason="needs the compiled kernel")
@@ -534,166 +584,30 @@ def test_paged_call_with_a_gradient_runs_the_kernel_in_place(dtype, monkeypatch)
         torch.testing.assert_close(got.double(), want, **tol)
 
 
-@pytest.mark.usefixtures("torch_engines")
-@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
-def test_causal_runs_as_unmasked_rectangles_and_causal_squares(alignment, monkeypatch):
-    """Plain causal work is about half the full square and builds no mask: each block of rows is
-    one unmasked call over the keys it sees whole plus one is_causal call on its diagonal square."""
-    seen = []
-    original = fused._FWD
-
-    def recording(q, k, v, dropout, is_causal, *args, **kwargs):
-        assert kwargs.get("attn_mask") is None
-        assert not is_causal or q.shape[2] == k.shape[2]
-        seen.append(q.shape[2] * k.shape[2] / (2 if is_causal else 1))
-        return original(q, k, v, dropout, is_causal, *args, **kwargs)
-    monkeypatch.setattr(fused, "_FWD", recording)
-    n, extra = 4 * fused.DIAGONAL_ROWS, 10 if alignment == "bottom_right" else 0
-    q, kv = torch.randn(n, 1, 8, dtype=torch.float64), torch.randn(n + extra, 1, 8, dtype=torch.float64)
-    out = jagged_sdpa.sdpa(*(torch.nested.nested_tensor([t], layout=torch.jagged).transpose(1, 2) for t in (q, kv, kv)),
-                           is_causal=True, causal_alignment=alignment, backend=CPU)
-    assert len(seen) == 2 * 4 - (alignment == "top_left")
-    assert sum(seen) <= 0.52 * n * (n + extra) + n * extra
-    ref, _ = attention_reference(q, kv, kv, cu_of([n]), cu_of([n + extra]), causal=True, alignment=alignment)
-    assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of([n]))
-
-
-@pytest.mark.usefixtures("torch_engines")
-def test_windowed_blocks_skip_masked_keys(monkeypatch):
-    """Windows (and ALiBi) keep masked blocks: each block multiplies only its visible keys."""
-    seen = []
-    original = fused._FWD
-
-    def recording(q, k, v, *args, **kwargs):
-        seen.append(q.shape[2] * k.shape[2])
-        return original(q, k, v, *args, **kwargs)
-    monkeypatch.setattr(fused, "_FWD", recording)
-    n = 4 * fused.BLOCK_ROWS
-    x = torch.randn(n, 1, 8)
-    cu = cu_of([n])
-    jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, window_size=(n, 0), backend=CPU)
-    assert len(seen) == 4 and sum(seen) <= 0.65 * n * n
-
-
-@pytest.mark.usefixtures("torch_engines")
-def test_memory_per_block_is_bounded_for_long_sequences(monkeypatch):
-    """The blocked engine never materialises more than one block of scores for a long sequence."""
-    largest = []
-    original = blocked._raw_scores
-
-    def recording(spec, qg, kh, block):
-        s = original(spec, qg, kh, block)
-        largest.append(s.numel())
-        return s
-    monkeypatch.setattr(blocked, "_raw_scores", recording)
-    n = 3000
-    x = torch.randn(n, 4, 8).to(torch.bfloat16)
-    cu = cu_of([n])
-    jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend=CPU)
-    assert max(largest) <= blocked.BLOCK_ELEMENTS + 4 * n * blocked.MIN_ROWS
-    assert sum(largest) == 4 * n * n
-
-
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
-def test_bfloat16_lse_is_float32_accurate(requires_grad, block_size):
-    """Scores are never rounded to bf16 (see blocked.py), so the lse is float32-accurate."""
+def test_bfloat16_lse_is_float32_accurate(requires_grad, split):
+    """Scores are never rounded to bf16, so the lse is float32-accurate."""
     q, k, v = _inputs(Q_LENS, K_LENS, 4, 2, 32, 32, torch.bfloat16, requires_grad=requires_grad)
     _, lse = _run(q, k, v, Q_LENS, K_LENS, {"softcap": 20.0}, None)
     _, ref_lse = _reference(q, k, v, Q_LENS, K_LENS, {"softcap": 20.0}, None)
     assert_close_lse(lse, ref_lse)
 
 
-@pytest.mark.usefixtures("torch_engines")
-def test_engine_choice():
-    spec = jagged_sdpa.explain(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
-                               cu_of([4]), cu_of([4])).spec
-    assert cpu_backend.uses_fused_kernel(spec)
-    assert not cpu_backend.uses_fused_kernel(spec.replace(dtype=torch.bfloat16))
-    assert not cpu_backend.uses_fused_kernel(spec.replace(softcap=1.0))
-    assert not cpu_backend.uses_fused_kernel(spec.replace(dropout_p=0.1))
-    assert not cpu_backend.uses_fused_kernel(spec.replace(head_dim_v=4))
-    assert not cpu_backend.fused_for_sequence(spec, 1, 4096)  # few query rows: never the fused kernel
-    assert not cpu_backend.fused_for_sequence(spec, 100, 100)  # small work: blocked matmuls
-    assert cpu_backend.fused_for_sequence(spec, 300, 300)
-
-
-@pytest.mark.usefixtures("torch_engines")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window_size": (3, 2)}], ids=["plain", "causal", "window"])
-def test_many_short_sequences_run_as_padded_groups(dtype, opts, monkeypatch):
-    calls = []
-    original = cpu_backend.grouped.forward_group
-
-    def recording(spec, q, k, v, members, *args):
-        calls.append(len(members))
-        return original(spec, q, k, v, members, *args)
-    monkeypatch.setattr(cpu_backend.grouped, "forward_group", recording)
-    gen = torch.Generator().manual_seed(3)
-    q_lens = torch.randint(1, 20, (16,), generator=gen).tolist()
-    k_lens = [n + int(d) for n, d in zip(q_lens, torch.randint(0, 6, (16,), generator=gen))]
-    q, k, v = _inputs(q_lens, k_lens, 6, 2, 16, 16, dtype)
-    out, lse = _run(q, k, v, q_lens, k_lens, opts, None)
-    assert sum(calls) >= 12
-    ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, opts, None)
-    lowp = _math_same_dtype(q, k, v, q_lens, k_lens, opts, None) if dtype == torch.bfloat16 else None
-    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
-    assert_close_lse(lse, ref_lse)
-
-
-@pytest.mark.usefixtures("torch_engines")
-def test_split_across_threads_matches_one_thread_bitwise():
-    """Sequences run on two threads, each single-threaded: same numbers as one thread, any order."""
-    from jagged_sdpa.backends.cpu import schedule
-    assert schedule.split_in_two([5, 1, 1, 3, 2]) == ([0, 1], [2, 3, 4])  # 6 and 6
-    lengths = [40, 33, 70, 12, 55, 64]  # every sequence under schedule.MAX_PAIRS: split
-    x = torch.randn(sum(lengths), 4, 16, requires_grad=True)
-    cu = cu_of(lengths)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True, backend=CPU)
-            (grad,) = torch.autograd.grad(out.sum(), x)
-            results.append((out, grad))
-            assert torch.get_num_threads() == n
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
 # ----------------------------------------------------------------------------------------------
-# decode rows (one query row, forward only): elementwise passes over key chunks
+# decode rows (one query row): the kernel's direct rows (with ``split=small``, over key steps of 16)
 
 DECODE_K_LENS = [7, 1, 37, 130, 20, 3]
 
 
-@pytest.fixture(params=["one_chunk", "many_chunks"])
-def decode_chunks(request, monkeypatch, torch_engines):
-    """Record decode-engine rows (torch-op engines); with many_chunks, a chunk holds a few keys only."""
-    from jagged_sdpa.backends.cpu import decode
-    if request.param == "many_chunks":
-        monkeypatch.setattr(decode, "CHUNK_ELEMENTS", 4 * 64)
-    rows = []
-    original = decode.forward_rows
-
-    def recording(spec, q, row_list, *args):
-        rows.extend(k.shape[0] for _, k, _, _ in row_list)
-        return original(spec, q, row_list, *args)
-    monkeypatch.setattr(decode, "forward_rows", recording)
-    return rows
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_decode_rows_match_reference(name, dtype, decode_chunks):
+def test_decode_rows_match_reference(name, dtype, split):
     opts = OPTIONS[name]
     q_lens = [1] * len(DECODE_K_LENS)
     hq, hkv = 4, 2
     q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, 16, 16, dtype)
     slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), hq)
     out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)
-    assert decode_chunks == DECODE_K_LENS  # every row took the decode engine
     ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, opts, slopes)
     lowp = _math_same_dtype(q, k, v, q_lens, DECODE_K_LENS, opts, slopes) if dtype in (torch.float16, torch.bfloat16) else None
     assert out.dtype == dtype
@@ -704,26 +618,25 @@ def test_decode_rows_match_reference(name, dtype, decode_chunks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("gqa", [(4, 1), (6, 2), (3, 3)], ids=["mqa", "gqa3", "mha"])
 @pytest.mark.parametrize("dims", [(16, 16), (40, 24), (24, 40)], ids=["d16", "dv24", "dv40"])
-def test_decode_rows_gqa_and_value_dims(gqa, dims, dtype, decode_chunks):
+def test_decode_rows_gqa_and_value_dims(gqa, dims, dtype):
     hq, hkv = gqa
     q_lens = [1] * len(DECODE_K_LENS)
     q, k, v = _inputs(q_lens, DECODE_K_LENS, hq, hkv, *dims, dtype)
     out, lse = _run(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
-    assert len(decode_chunks) == len(DECODE_K_LENS)
     ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
     lowp = _math_same_dtype(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None) if dtype == torch.bfloat16 else None
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
     assert_close_lse(lse, ref_lse)
 
 
-def test_decode_rows_mixed_with_prefill_and_strided_nan_buffers(decode_chunks):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_decode_rows_mixed_with_prefill_and_strided_nan_buffers(dtype, split):
     """Decode rows beside longer sequences and empty ones; the packed buffers sit inside
     NaN-filled storage, so any read past a row's keys shows."""
     q_lens, k_lens = [1, 9, 1, 0, 1, 30], [12, 9, 0, 4, 50, 30]
-    q, k, v = _inputs(q_lens, k_lens, 4, 2, 16, 16, torch.float32)
+    q, k, v = _inputs(q_lens, k_lens, 4, 2, 16, 16, dtype)
     qn, kn, vn = (in_nan_buffer(t) for t in (q, k, v))
     out, lse = _run(qn, kn, vn, q_lens, k_lens, {"causal": True}, None)
-    assert decode_chunks == [12, 50]
     ref_out, ref_lse = _reference(q, k, v, q_lens, k_lens, {"causal": True}, None)
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens))
     assert_close_lse(lse, ref_lse)
@@ -731,55 +644,25 @@ def test_decode_rows_mixed_with_prefill_and_strided_nan_buffers(decode_chunks):
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
-def test_decode_rows_through_sdpa_njt(alignment, decode_chunks):
+def test_decode_rows_through_sdpa_njt(alignment, split):
     """One-query NJT sequences, causal in both alignments (top-left: each row sees key 0 only)."""
     lengths_q, lengths_k = [1, 1, 1], [9, 1, 40]
     (q, q_leaf), (k, k_leaf), (v, v_leaf) = (_njt(lengths_q, 4, 16), _njt(lengths_k, 2, 16), _njt(lengths_k, 2, 16))
     out = jagged_sdpa.sdpa(q, k, v, is_causal=True, enable_gqa=True, causal_alignment=alignment,
-                           window_size=(7, -1), backend="cpu_fused")
-    assert decode_chunks == lengths_k
+                           window_size=(7, -1))
     ref, _ = attention_reference(*(t.values() for t in (q_leaf, k_leaf, v_leaf)), cu_of(lengths_q),
                                  cu_of(lengths_k), causal=True, alignment=alignment, window=(7, -1))
     assert_close_packed(out.transpose(1, 2).values(), ref, cu_seqlens=cu_of(lengths_q))
 
 
-@pytest.mark.usefixtures("torch_engines")
-def test_decode_engine_is_forward_only():
-    """With grad or dropout, one-row sequences keep the blocked engine (its backward and its
-    dropout order): and the gradient through them is right."""
-    from jagged_sdpa.backends.cpu import decode
-    spec = jagged_sdpa.explain(torch.randn(2, 2, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8),
-                               cu_of([1, 1]), cu_of([4, 5])).spec
-    assert decode.eligible(spec, 1) and not decode.eligible(spec, 2)
-    assert not decode.eligible(spec.replace(needs_grad=True), 1)
-    assert not decode.eligible(spec.replace(dropout_p=0.1), 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_decode_rows_with_a_gradient(dtype, split):
     q_lens = [1] * len(DECODE_K_LENS)
-    q, k, v = _inputs(q_lens, DECODE_K_LENS, 4, 2, 16, 16, torch.float64, requires_grad=True)
+    q, k, v = _inputs(q_lens, DECODE_K_LENS, 4, 2, 16, 16, dtype, requires_grad=True)
     out, _ = _run(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None)
     grad = torch.randn_like(out)
     out.backward(grad)
-    ref = _reference_grads(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None, grad)
-    for got, want in zip((q.grad, k.grad, v.grad), ref):
-        torch.testing.assert_close(got, want)
-
-
-@pytest.mark.usefixtures("torch_engines")
-def test_decode_workspace_is_kept_per_thread_and_dtype_and_grows():
-    import threading
-    from jagged_sdpa.backends.cpu import decode
-    spec = jagged_sdpa.explain(torch.randn(2, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16),
-                               cu_of([1, 1]), cu_of([4, 5])).spec
-    small = decode.workspace(spec, 3)
-    assert small.numel() == 3 * 4 * 16 and small.dtype == torch.float32
-    big = decode.workspace(spec, 50)
-    assert big.numel() == 50 * 4 * 16
-    again = decode.workspace(spec, 3)
-    assert again.data_ptr() == big.data_ptr()  # reused, not reallocated
-    assert decode.workspace(spec.replace(dtype=torch.float64), 3).dtype == torch.float64
-    capped = decode.workspace(spec, 10 ** 7)
-    assert capped.numel() == decode.chunk_keys(spec) * 4 * 16 <= decode.CHUNK_ELEMENTS
-    other = []
-    thread = threading.Thread(target=lambda: other.append(decode.workspace(spec, 3).data_ptr()))
-    thread.start()
-    thread.join()
-    assert other[0] != again.data_ptr()  # each thread has its own
+    refs = _reference_grads(q, k, v, q_lens, DECODE_K_LENS, {"causal": True}, None, grad)
+    for name, got, ref, lens in (("dq", q.grad, refs[0], q_lens), ("dk", k.grad, refs[1], DECODE_K_LENS),
+                                 ("dv", v.grad, refs[2], DECODE_K_LENS)):
+        assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True)

@@ -5,7 +5,8 @@
 - ``torch.compile(fullgraph=True)`` of ``varlen_attention`` (packed, seqused_k, paged) and ``sdpa``
   (NJTs with a cached max seqlen) for every option, forward and backward, equal to eager and to the
   float64 reference; ``torch._dynamo.explain`` finds 0 graph breaks; new batch sizes compile at
-  most once more (dynamic shapes); a call without max lengths is a ValueError; bad cu_seqlens are
+  most once more (dynamic shapes); a call without max lengths is a plain ValueError, with or without
+  fullgraph; bad cu_seqlens are
   still refused by name when the operator runs; ``paged_append`` mutates the cache in a graph.
 Compiles use the ``aot_eager`` backend (the same graphs, without Inductor's codegen time); one test
 runs Inductor end to end.
@@ -112,15 +113,26 @@ def test_new_batch_sizes_compile_at_most_once_more():
     assert counter.frame_count <= 2, counter.frame_count  # the first shapes, then one dynamic graph
 
 
-def test_compile_without_max_lengths_is_a_value_error():
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
+def test_compile_without_max_lengths_is_a_value_error(fullgraph):
+    """Raised by the operator when it runs: the user's ValueError itself, and no graph break."""
     args, kw = _call({})
     q, k, v, cu_q, cu_k = args[:5]
-    compiled = torch.compile(lambda q, k, v, a, b: jagged_sdpa.varlen_attention(q, k, v, a, b), fullgraph=True,
-                             backend="aot_eager")
-    # Dynamo reports an exception raised while tracing as its own error, our ValueError its cause.
-    with pytest.raises(Exception, match="pass max_seqlen_q and max_seqlen_k") as info:
-        compiled(q, k, v, cu_q, cu_k)
-    assert "ValueError" in repr(info.value.__cause__) or isinstance(info.value, ValueError)
+    fn = lambda q, k, v, a, b: jagged_sdpa.varlen_attention(q, k, v, a, b, max_seqlen_k=9)  # noqa: E731
+    torch._dynamo.utils.counters.clear()
+    with pytest.raises(ValueError, match="pass max_seqlen_q \\(ints\\)"):
+        torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")(q, k, v, cu_q, cu_k)
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
+def test_compile_njt_without_cached_max_seqlen_is_a_value_error(fullgraph):
+    values = torch.randn(12, 2, 8)
+    offsets = torch.tensor([0, 5, 12])
+    fn = lambda values, offsets: jagged_sdpa.sdpa(  # noqa: E731
+        *[torch.nested.nested_tensor_from_jagged(values, offsets).transpose(1, 2)] * 3)
+    with pytest.raises(ValueError, match="pass query's cached max seqlen and key's cached max seqlen"):
+        torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")(values, offsets)
 
 
 def test_bad_cu_seqlens_are_refused_by_name_when_the_operator_runs():
@@ -200,6 +212,8 @@ def test_sdpa_on_njts_fullgraph_equals_eager_with_dynamic_batches():
         torch.testing.assert_close(g.values(), w.values(), rtol=0, atol=0)
     assert counter.frame_count <= 2, counter.frame_count
     assert torch._dynamo.explain(_njt_attention)(_njt_batch([3, 5])).graph_break_count == 0
+    # A batch the compiled function has seen: its nested int is Dynamo's to wrap again.
+    assert torch._dynamo.explain(_njt_attention)(x).graph_break_count == 0
 
 
 def test_inductor_end_to_end():

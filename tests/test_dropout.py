@@ -26,7 +26,7 @@ import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.ops import run
 from jagged_sdpa.backends import IMPLS, keyed_dropout
-from jagged_sdpa.backends.cpu import backend as cpu_backend
+from jagged_sdpa.backends.cpu import CpuFusedBackend
 from jagged_sdpa.backends.cpu import native
 from jagged_sdpa.spec import PackedCall
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
@@ -392,8 +392,8 @@ def _run_case(backend, case, dtype, q_lens, k_lens, key, grad_seed=0):
     leaves = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
     call = _call(backend, *leaves, cu_q, cu_k, key, alignment=case.get("alignment", "bottom_right"),
                  slopes=slopes, table=table, used=used, **options)
-    if backend == "cpu_fused":  # the compiled kernel runs it (no torch-op engine)
-        assert cpu_backend.native_forward_reason(call.spec) is None
+    if backend == "cpu_fused":  # the compiled kernel takes it
+        assert not CpuFusedBackend.reasons(call.spec), CpuFusedBackend.reasons(call.spec)
     result = run(Backend(backend), call)
     grads = [None] * 3
     if backward:

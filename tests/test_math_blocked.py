@@ -2,8 +2,9 @@
 
 ``SCORE_BUDGET_BYTES`` is shrunk so that blocks of one to a few rows put block boundaries
 everywhere on small shapes: results and gradients (q, k, v, the paged cache, the ALiBi slopes) must
-not depend on where they fall. The memory test runs a long sequence in a child process and reads its
-peak resident memory.
+not depend on where they fall. The backward is explicit formulas, not autograd, so it also runs
+inside a TorchDispatchMode (which turns autograd off below it). The memory test runs a long
+sequence in a child process and reads its peak resident memory.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from jagged_sdpa import ops
+from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.backends import math as math_backend
 from jagged_sdpa.backends.math import MathBackend
 from cases import alibi_slopes, cu_of, paged_case
@@ -136,6 +139,132 @@ def test_float64_gradcheck_with_tiny_blocks(monkeypatch):
         return run_math(call)[0]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+class _SeenOps(TorchDispatchMode):
+    """Runs every operator unchanged and records its name. Below ``__torch_dispatch__`` the
+    autograd keys are excluded: a backward that ran autograd inside would record no graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+DISPATCH_CASES = {
+    # name: (q lengths, k lengths (paged: seqused_k), options); GQA 4 query heads on 2 kv heads
+    "causal-top-left-alibi": ([7, 0, 3], [4, 2, 6], dict(causal=True, alignment="top_left", alibi="per_head")),
+    # bottom-right with Lq > Lk: sequence 0's first three rows see no key
+    "causal-bottom-right-window-softcap-alibi-batch": (
+        [7, 2], [4, 9], dict(causal=True, window_size=(3, -1), softcap=2.0, alibi="per_batch_head")),
+    "window-dropout-alibi": ([6, 5], [8, 3], dict(window_size=(2, 1), dropout_p=0.3, alibi="per_head")),
+    "paged-shared-causal-dropout-alibi": ([5, 3, 4], [7, 6, 5], dict(causal=True, dropout_p=0.3, alibi="per_head",
+                                                                      paged=True)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(DISPATCH_CASES))
+def test_backward_inside_a_dispatch_mode(monkeypatch, name, dtype):
+    """Forward and backward of MATH inside a TorchDispatchMode (as FlopCounterMode or selective
+    activation checkpointing run it), blocks of 2 rows and dropout masks drawn a row at a time:
+    dq, dk, dv (the cache's, shared blocks summed) and the slopes' gradient against float64."""
+    lens_q, lens_k, options = DISPATCH_CASES[name]
+    options = dict(options)
+    kind, paged = options.pop("alibi"), options.pop("paged", False)
+    alignment = options.pop("alignment", "bottom_right")
+    q = torch.randn(sum(lens_q), 4, 8, dtype=dtype, requires_grad=True)
+    if paged:
+        k, v, table, used, ref_k, ref_v = paged_case(lens_q, lens_k, 3, 2, 8, dtype, shared_first_block=True)
+        k.requires_grad_(True)
+        v.requires_grad_(True)
+        extra = dict(block_table=table, seqused_k=used, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+        cu_k = None
+    else:
+        k = torch.randn(sum(lens_k), 2, 8, dtype=dtype, requires_grad=True)
+        v = torch.randn(sum(lens_k), 2, 6, dtype=dtype, requires_grad=True)
+        ref_k, ref_v, extra, cu_k = k, v, {}, cu_of(lens_k)
+    slopes = alibi_slopes(kind, len(lens_q), 4).requires_grad_(True)
+    cu_q = cu_of(lens_q)
+    call = packed_call(q, k, v, cu_q, cu_k, alignment=alignment, alibi_slopes=slopes, **extra, **options)
+    key = None
+    if call.spec.dropout_p:
+        key = keyed_dropout.draw_key()
+        call = call.replace(dropout_key=key)
+    assert call.spec.alibi_grad and call.spec.paged == paged
+    set_rows(monkeypatch, call.spec, 2, max(lens_k))
+    monkeypatch.setattr(math_backend, "MASK_CHUNK_ELEMENTS", 1)
+    grad_out = torch.randn(sum(lens_q), 4, v.shape[-1], dtype=dtype)
+    with _SeenOps() as mode:
+        out, _ = run_math(call)
+        dq, dk, dv, ds = torch.autograd.grad(out, (q, k, v, slopes), grad_out)
+    assert "jagged_sdpa.attention_backward.default" in mode.seen
+    keep = None
+    if key is not None:
+        keep = lambda b, lq, lk: keyed_dropout.keep_mask(key, b, 4, torch.arange(lq), torch.arange(lk), options["dropout_p"])
+    ref_out, _, ref, ref_slopes = reference_grads(
+        q, ref_k, ref_v, cu_q, cu_of(lens_k), grad_out, slopes, causal=options.get("causal", False),
+        alignment=alignment, window=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0),
+        dropout_p=options.get("dropout_p", 0.0), dropout_keep=keep)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q)
+    assert_close_packed(dq, ref[0], cu_seqlens=cu_q, name="dq", grad=True)
+    assert dq.dtype == dk.dtype == dv.dtype == dtype and ds.dtype == torch.float32
+    if paged:  # the reference's packed key rows, summed into the cache slots they came from
+        slots = torch.cat([math_backend.paged_slots(call, b, n) for b, n in enumerate(lens_k)])
+        assert len(set(slots.tolist())) < len(slots)
+        dk, dv = dk.flatten(0, 1), dv.flatten(0, 1)
+        ref[1], ref[2] = (torch.zeros(g.shape, dtype=torch.float64).index_add_(0, slots, r)
+                          for g, r in ((dk, ref[1]), (dv, ref[2])))
+        cu_k = list(range(dk.shape[0] + 1))
+    assert_close_packed(dk, ref[1], cu_seqlens=cu_k, name="dk", grad=True)
+    assert_close_packed(dv, ref[2], cu_seqlens=cu_k, name="dv", grad=True)
+    atol, rtol = tolerance(torch.float32, grad=True)
+    torch.testing.assert_close(ds.double(), ref_slopes, atol=atol, rtol=rtol)
+
+
+def test_float64_gradcheck_inside_a_dispatch_mode(monkeypatch):
+    """Finite differences of q, k, v inside a TorchDispatchMode: GQA, causal with a window,
+    softcap, ALiBi whose slopes need a gradient too (float32 by the API, so their gradient is
+    checked against the reference above, not by finite differences), a fixed dropout mask,
+    blocks of 2 rows."""
+    monkeypatch.setattr(math_backend, "SCORE_BUDGET_BYTES", 2 * 4 * 4 * 8)
+    q = torch.randn(7, 4, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 2, 3, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.2, 0.4, 0.1, 0.3], requires_grad=True)
+    cu_q, cu_k = cu_of([5, 2]), cu_of([4, 5])
+
+    def fn(q, k, v):
+        call = packed_call(q, k, v, cu_q, cu_k, causal=True, softcap=3.0, window_size=(2, -1), dropout_p=0.25,
+                           alibi_slopes=slopes)
+        assert call.spec.alibi_grad
+        return run_math(call.replace(dropout_key=torch.tensor([5, 77])))[0]
+
+    with _SeenOps() as mode:
+        assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert "jagged_sdpa.attention_backward.default" in mode.seen
+
+
+def test_dropout_masks_are_drawn_a_few_rows_at_a_time(monkeypatch):
+    """One block of 64 rows x 300 keys x 4 heads: its mask is drawn in chunks of at most
+    MASK_CHUNK_ELEMENTS (Philox's int64 temporaries are 8 bytes per element each), rows in order."""
+    monkeypatch.setattr(math_backend, "MASK_CHUNK_ELEMENTS", 4 * 300 * 5)
+    drawn, real = [], keyed_dropout.keep_mask
+
+    def recording(key, b, heads, rows, keys, p):
+        drawn.append((heads, rows.tolist(), keys.numel()))
+        return real(key, b, heads, rows, keys, p)
+
+    monkeypatch.setattr(keyed_dropout, "keep_mask", recording)
+    q, k = torch.randn(64, 4, 8), torch.randn(300, 2, 8)
+    call = packed_call(q, k, k, cu_of([64]), cu_of([300]), dropout_p=0.2).replace(dropout_key=torch.tensor([1, 2]))
+    assert len(list(math_backend.blocks(call.spec, 64, 300))) == 1
+    run_math(call)
+    assert all(heads == 4 and len(rows) <= 5 and keys == 300 for heads, rows, keys in drawn)
+    assert [r for _, rows, _ in drawn for r in rows] == list(range(64))
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own_blocks", "shared_first_block"])
@@ -264,7 +393,7 @@ CHILD = textwrap.dedent("""
 
 def test_long_sequence_peak_memory_is_a_few_blocks():
     """8k tokens, 1 head, D = 16, float32, forward and backward: the peak resident memory grows by a
-    few 4 MiB blocks (measured: 15 MiB forward, 37 MiB both), never by the 256 MiB of one Lq x Lk
+    few 4 MiB blocks (measured: 8 MiB forward, 25 MiB both), never by the 256 MiB of one Lq x Lk
     score matrix (the unblocked MATH kept several such matrices for autograd). glibc is told to map
     every large allocation on its own, so that freed blocks leave the resident set at once
     (otherwise its heap keeps the holes of differently sized blocks and the peak measures those)."""

@@ -3,7 +3,7 @@ reference, on shapes that reach every path of it: several key blocks of 64 and q
 sequence, micro-tiles of 1..6 rows, masked and unmasked blocks, head dims that are not multiples
 of 16, Dv != D, GQA/MQA, direct rows (decoding) over several key steps, rows that see no key,
 strided inputs inside NaN buffers; plus its build, its switch and its thread independence.
-(test_backend_cpu.py runs its option x dtype matrix through the kernel too: ``block_size=native``.)
+(test_backend_cpu.py runs its option x dtype matrix through the kernel too.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jagged_sdpa
 from jagged_sdpa import Backend
 from jagged_sdpa.backends.cpu import native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
-from kernel_calls import kernel_backward, kernel_forward, math_forward, packed_call
+from kernel_calls import assert_math_takes_over, kernel_backward, kernel_forward, math_forward, packed_call
 from reference import attention_reference, keep_mask
 from tolerances import assert_close_lse, assert_close_packed
 
@@ -184,7 +184,7 @@ def test_paged_cache_prefill_and_decode(name, block_size, dtype, split):
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     explained = jagged_sdpa.explain(q, k_cache, v_cache, cu_of(q_lens), None, block_table=table, seqused_k=seqused,
                                     **call)
-    assert native.skip_reason(explained.spec) is None
+    assert explained.chosen == CPU, explained
     out, lse = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, alibi_slopes=slopes,
                                             block_table=table, seqused_k=seqused, return_lse=True, backend=CPU,
                                             **call)
@@ -215,7 +215,7 @@ def test_backward_matches_reference(name, dtype):
     slopes = alibi_slopes(opts.get("alibi_slopes"), len(GRAD_Q_LENS), hq, high=0.3)
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     cu_q, cu_k = cu_of(GRAD_Q_LENS), cu_of(GRAD_K_LENS)
-    assert native.backward_skip_reason(jagged_sdpa.explain(q, k, v, cu_q, cu_k, **call).spec) is None
+    assert jagged_sdpa.explain(q, k, v, cu_q, cu_k, **call).chosen == CPU
     out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **call)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -308,8 +308,7 @@ def test_paged_backward_accumulates_shared_blocks(name, block_size, dtype):
     call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
     cu_q, used = cu_of(q_lens), torch.tensor(k_lens, dtype=torch.int32)
     paged = dict(block_table=table, seqused_k=used, alibi_slopes=slopes, **call)
-    assert native.backward_skip_reason(jagged_sdpa.explain(q.requires_grad_(True), k_cache, v_cache, cu_q, None,
-                                                           **paged).spec) is None
+    assert jagged_sdpa.explain(q.requires_grad_(True), k_cache, v_cache, cu_q, None, **paged).chosen == CPU
     grad = torch.randn(sum(q_lens), 4, 16).to(dtype)
 
     def run(backend=CPU):
@@ -362,13 +361,7 @@ def test_switched_off_by_environment_falls_back_and_explains(monkeypatch):
     try:
         assert native.library() is None
         assert native.unavailable_reason() == "disabled by JAGGED_SDPA_NATIVE=0"
-        x = torch.randn(11, 2, 8)
-        cu = cu_of([3, 8])
-        notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu).notes)
-        assert "compiled kernel not used (unavailable: disabled by JAGGED_SDPA_NATIVE=0)" in notes
-        out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, backend=CPU)
-        ref, _ = attention_reference(x, x, x, cu, cu)
-        assert_close_packed(out, ref, cu_seqlens=cu)
+        assert_math_takes_over("compiled kernel unavailable (disabled by JAGGED_SDPA_NATIVE=0)")
     finally:
         monkeypatch.delenv("JAGGED_SDPA_NATIVE")
         native.reset()
@@ -383,6 +376,7 @@ def test_missing_compiler_is_a_reason_not_an_error(monkeypatch, tmp_path):
     try:
         assert native.library() is None
         assert "no C++ compiler" in native.unavailable_reason()
+        assert_math_takes_over("compiled kernel unavailable (no C++ compiler: CXX=no-such-compiler not found)")
     finally:
         monkeypatch.undo()
         native.reset()
@@ -396,22 +390,27 @@ def test_unwritable_cache_is_a_reason_not_an_error(monkeypatch, tmp_path):
     try:
         assert native.library() is None
         assert "cannot write the build cache" in native.unavailable_reason()
-        x = torch.randn(5, 1, 8)
-        cu = cu_of([2, 3])
-        out = jagged_sdpa.varlen_attention(x, x, x, cu, cu)  # the torch-op engines
-        assert_close_packed(out, attention_reference(x, x, x, cu, cu)[0], cu_seqlens=cu)
+        assert_math_takes_over("compiled kernel unavailable (cannot write the build cache")
     finally:
         monkeypatch.undo()
         native.reset()
 
 
-def test_huge_head_dims_take_the_torch_engines():
-    x = torch.randn(6, 1, native.MAX_HEAD_DIM + 1)
-    cu = cu_of([2, 4])
-    notes = " ".join(jagged_sdpa.explain(x, x, x, cu, cu).notes)
-    assert f"compiled kernel not used (head dim {native.MAX_HEAD_DIM + 1} > {native.MAX_HEAD_DIM})" in notes
-    out = jagged_sdpa.varlen_attention(x, x, x, cu, cu, causal=True)
-    assert_close_packed(out, attention_reference(x, x, x, cu, cu, causal=True)[0], cu_seqlens=cu)
+def test_huge_head_dims_go_to_math():
+    d = native.MAX_HEAD_DIM + 1
+    assert_math_takes_over(f"head_dim {d} > {native.MAX_HEAD_DIM}", head_dim=d)
+
+
+def test_backward_scratch_bound_is_a_reason_for_gradient_calls_only(monkeypatch):
+    """A backward whose per-item scratch would pass the bound refuses calls that need a gradient
+    (forward and backward must run on one backend) and keeps inference calls."""
+    x = torch.randn(12, 2, 16)
+    cu = cu_of([5, 7])
+    monkeypatch.setattr(native, "BACKWARD_ITEM_BYTES", 7 * 48 * 4 - 1)  # 7 rows of q, dO, dQ (D = 16)
+    assert jagged_sdpa.explain(x, x, x, cu, cu).chosen == CPU
+    assert_math_takes_over("gradient needed: the backward's scratch for one sequence and KV head would take")
+    monkeypatch.setattr(native, "BACKWARD_ITEM_BYTES", 7 * 48 * 4)
+    assert jagged_sdpa.explain(x.requires_grad_(True), x, x, cu, cu).chosen == CPU
 
 
 def test_builds_into_its_cache_once(monkeypatch, tmp_path):

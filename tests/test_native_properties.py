@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jagged_sdpa
-from jagged_sdpa.backends.cpu import native
+from jagged_sdpa.backends.cpu import CpuFusedBackend, native
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from kernel_calls import kernel_backward, kernel_forward, math_forward, packed_call
 from reference import attention_reference
@@ -170,7 +170,7 @@ def run_forward(case):
     with kernel_setup(case):
         qa, ka, va = wrap(q), wrap(k), wrap(v)
         spec = jagged_sdpa.explain(qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts).spec
-        assert native.skip_reason(spec) is None, native.skip_reason(spec)
+        assert not CpuFusedBackend.reasons(spec), CpuFusedBackend.reasons(spec)
         out, lse = _attend(case, qa, ka, va, cu_q, cu_k, alibi_slopes=slopes, **opts)
     _check_forward(out, lse, q, k, v, cu_q, cu_k, case, slopes, opts)
 
@@ -199,8 +199,7 @@ def run_backward(case):
     leaves = [wrap(t).requires_grad_(True) for t in (q, k, v)]
     with kernel_setup(case):
         spec = jagged_sdpa.explain(*leaves, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts).spec
-        assert native.skip_reason(spec) is None, native.skip_reason(spec)
-        assert native.backward_skip_reason(spec) is None, native.backward_skip_reason(spec)
+        assert spec.needs_grad and not CpuFusedBackend.reasons(spec), CpuFusedBackend.reasons(spec)
         if case["alignment"] == "bottom_right":
             out = jagged_sdpa.varlen_attention(*leaves, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **opts)
             out.backward(wrap(grad_out))
@@ -290,7 +289,7 @@ def run_paged(case):
         qa = in_nan_buffer(q) if case["strided"] else q
         spec = jagged_sdpa.explain(qa, k_cache, v_cache, cu_q, None, block_table=table, seqused_k=seqused,
                                    alibi_slopes=slopes, backend=CPU, **opts).spec
-        assert spec.paged and native.skip_reason(spec) is None, native.skip_reason(spec)
+        assert spec.paged and not CpuFusedBackend.reasons(spec), CpuFusedBackend.reasons(spec)
         out, lse = _attend(case, qa, k_cache, v_cache, cu_q, None, block_table=table, seqused_k=seqused,
                            alibi_slopes=slopes, **opts)
     _check_forward(out, lse, q, pk.contiguous(), pv.contiguous(), cu_q, cu_of(used), case, slopes, opts)

@@ -11,8 +11,8 @@ import torch
 
 import jagged_sdpa
 from jagged_sdpa import Backend, NoBackendError
-from jagged_sdpa.backends import DEFAULT_ORDER, IMPLS
-from jagged_sdpa.selection import current_order, select
+from jagged_sdpa.backends import CPU_ORDER, DEFAULT_ORDER, IMPLS
+from jagged_sdpa.selection import choose, current_order, select
 from jagged_sdpa.spec import AttnSpec
 from cases import cu_of, njt, packed
 
@@ -43,6 +43,23 @@ def test_math_is_always_eligible_and_last_resort():
                                      softcap=3.0, alibi="per_batch_head", dropout_p=0.5, needs_grad=True),
                  cpu_spec(device_type="cuda", capability=(7, 0), dtype=torch.bfloat16, paged=True, block_size=3)):
         assert IMPLS[Backend.MATH].reasons(spec) == ()
+
+
+def test_on_the_cpu_math_comes_before_the_triton_interpreter(monkeypatch):
+    """A CPU call CPU_FUSED refuses runs on MATH even where the Triton interpreter could take it
+    (TRITON_INTERPRET=1 is for tests); named, TRITON still runs; CUDA calls keep the default order."""
+    for refusing in (Backend.FLASH_VARLEN, Backend.EFFICIENT, Backend.CPU_FUSED):
+        monkeypatch.setattr(IMPLS[refusing], "reasons", classmethod(lambda cls, spec: ("refused",)))
+    monkeypatch.setattr(IMPLS[Backend.TRITON], "reasons", classmethod(lambda cls, spec: ()))
+    explained = select(cpu_spec())
+    assert explained.order == CPU_ORDER and explained.chosen is Backend.MATH
+    assert choose(cpu_spec(), None) is Backend.MATH
+    with jagged_sdpa.use_backends("triton", "math"):
+        assert select(cpu_spec()).chosen is Backend.TRITON and choose(cpu_spec(), None) is Backend.TRITON
+    assert choose(cpu_spec(), Backend.TRITON) is Backend.TRITON
+    cuda = select(cpu_spec(device_type="cuda", capability=(9, 0)))
+    assert cuda.order == DEFAULT_ORDER and cuda.chosen is Backend.TRITON
+    assert str(explained).index("  math ") < str(explained).index("  triton ")
 
 
 def test_forced_backend_runs_it_or_raises_with_its_reasons():
@@ -120,7 +137,7 @@ def test_explain_lists_every_backend_and_runs_nothing(monkeypatch):
     for impl in IMPLS.values():
         monkeypatch.setattr(impl, "forward", classmethod(lambda cls, call: pytest.fail("kernel ran")))
     e = jagged_sdpa.explain(*small_call(), causal=True)
-    assert set(e.reasons) == set(DEFAULT_ORDER)
+    assert list(e.reasons) == list(CPU_ORDER) and set(CPU_ORDER) == set(DEFAULT_ORDER)
     assert e.reasons[Backend.MATH] == [] and e.chosen is not None
     assert all(isinstance(r, list) for r in e.reasons.values())
     text = str(e)

@@ -1,9 +1,8 @@
 """The per-call fast paths of issue 3's tiny call, each checked against the slow path it replaces.
 
 Cheap NJT size reads (``layout.tensor_size``), the direct NJT output constructor
-(``layout.packed_to_njt``), the fused-kernel form of padded groups (``grouped``) and its layout
-cache: the fast path must give the same object or the same numbers as the public/bmm path, and
-a cache keyed on host-read lengths must never serve a call whose offsets changed.
+(``layout.packed_to_njt``): the fast path must give the same object or the same numbers as the
+public path, and a call whose offsets changed in place is read and validated again.
 """
 
 from __future__ import annotations
@@ -12,11 +11,10 @@ import pytest
 import torch
 
 import jagged_sdpa
-from jagged_sdpa import Backend, layout
-from jagged_sdpa.backends.cpu import grouped
+from jagged_sdpa import layout
 from cases import cu_of, njt
 from reference import attention_reference
-from tolerances import assert_close_lse, assert_close_packed
+from tolerances import assert_close_packed
 
 TINY_LENGTHS = [6, 8, 10, 7]
 
@@ -98,53 +96,6 @@ def test_output_needing_grad_takes_the_differentiable_path():
     assert leaf.grad is not None and leaf.grad.values().abs().sum() > 0
 
 
-# ----------------------------------------------------------------------------------------------
-# padded groups: fused-kernel form and bmm form
-
-
-def test_fused_kernel_form_is_available_on_this_torch():
-    assert grouped.fused_kernel_works() and grouped.fused_kernel_gqa()
-
-
-@pytest.mark.usefixtures("torch_engines")
-@pytest.mark.parametrize("form", ["fused", "fused_no_gqa", "bmm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-                         ids=["float32", "float64", "float16", "bfloat16"])
-@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window_size": (3, 1)}, {"causal": True, "window_size": (2, 0)}],
-                         ids=["plain", "causal", "window", "causal_window"])
-def test_groups_match_reference(form, dtype, opts, monkeypatch):
-    """Short sequences of a ragged cross-attention call (GQA) run as padded groups; out and lse."""
-    calls = []
-    original = grouped.forward_group
-
-    def recording(*args):
-        calls.append(len(args[4]))
-        return original(*args)
-    monkeypatch.setattr(grouped, "forward_group", recording)
-    if form == "bmm":
-        monkeypatch.setattr(grouped, "fused_kernel_works", lambda: False)
-    if form == "fused_no_gqa":  # a torch whose kernel refuses GQA: K/V expanded to Hq heads
-        monkeypatch.setattr(grouped, "fused_kernel_gqa", lambda: False)
-    q_lens, k_lens = [6, 8, 10, 7, 5], [9, 8, 10, 7, 6]
-    q = torch.randn(sum(q_lens), 4, 16).to(dtype)
-    k = torch.randn(sum(k_lens), 2, 16).to(dtype)
-    v = torch.randn(sum(k_lens), 2, 16).to(dtype)
-    # float64 with an lse keeps a float64 lse, which groups do not write: no lse asked there.
-    with_lse = dtype != torch.float64
-    result = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), return_lse=with_lse,
-                                          backend=Backend.CPU_FUSED, **opts)
-    out, lse = result if with_lse else (result, None)
-    assert sum(calls) == len(q_lens)
-    ref, ref_lse = attention_reference(q, k, v, cu_of(q_lens), cu_of(k_lens), alignment="bottom_right",
-                                       causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)))
-    lowp = None
-    if dtype in (torch.float16, torch.bfloat16):  # the same call on MATH in the same dtype
-        lowp = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of(k_lens), backend=Backend.MATH, **opts)
-    assert_close_packed(out, ref, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
-    if with_lse:
-        assert_close_lse(lse, ref_lse)
-
-
 def test_tiny_call_matches_reference_top_left_causal():
     q, k, v = (njt(TINY_LENGTHS, 2, 16) for _ in range(3))
     k, v = (njt_on(t.transpose(1, 2).values(), q.offsets()) for t in (k, v))
@@ -154,7 +105,7 @@ def test_tiny_call_matches_reference_top_left_causal():
 
 
 # ----------------------------------------------------------------------------------------------
-# caches keyed on host-read lengths: a changed offsets tensor is read and validated again
+# offsets changed in place: read and validated again
 
 
 def test_mutated_offsets_are_validated_again():
@@ -171,7 +122,7 @@ def test_mutated_offsets_are_validated_again():
 
 
 def test_mutated_offsets_give_the_new_lengths_results():
-    """Same tensors, offsets changed in place to other valid lengths: no stale group layout."""
+    """Same tensors, offsets changed in place to other valid lengths: the new lengths are used."""
     values = torch.randn(sum(TINY_LENGTHS), 2, 16)
     offsets = cu_of(TINY_LENGTHS).long()
     q = njt_on(values, offsets)
@@ -181,28 +132,3 @@ def test_mutated_offsets_give_the_new_lengths_results():
     ref, _ = attention_reference(values, values, values, cu_of([9, 5, 10, 7]), cu_of([9, 5, 10, 7]), causal=True)
     assert_close_packed(second._values.transpose(0, 1), ref, cu_seqlens=cu_of([9, 5, 10, 7]))
     assert not torch.equal(first, second._values)
-
-
-def test_group_layout_depends_on_mask_options():
-    members = (grouped.Member(0, 3, 0, 3), grouped.Member(3, 2, 3, 2))
-    q = njt([3, 2], 1, 4)
-    spec = jagged_sdpa.explain(q, q, q).spec
-    plain = grouped._layout(spec, members)
-    causal = grouped._layout(spec.replace(causal=True), members)
-    assert plain is not causal
-    assert plain.mask is not None and torch.isinf(plain.mask).sum() == 3  # padded keys of member 1
-    assert torch.isinf(causal.mask).sum() > torch.isinf(plain.mask).sum()
-    equal = grouped._layout(spec, (grouped.Member(0, 3, 0, 3), grouped.Member(3, 3, 3, 3)))
-    assert equal.mask is None  # nothing to mask: the kernel runs unmasked
-
-
-def test_group_layout_is_in_packed_order():
-    """Members come sorted by length; the layout maps them back to packed rows, so a group that
-    is the whole call is written with one op, and one that is not goes row by row."""
-    q = njt([3, 2], 1, 4)
-    spec = jagged_sdpa.explain(q, q, q).spec
-    whole = grouped._layout(spec, (grouped.Member(3, 2, 3, 2), grouped.Member(0, 3, 0, 3)))
-    assert whole.all_rows and whole.dst.tolist() == [0, 1, 2, 3, 4]
-    assert whole.src.tolist() == [3, 4, 5, 0, 1]  # padded width 3: member 1's rows come first
-    part = grouped._layout(spec, (grouped.Member(5, 2, 5, 2), grouped.Member(0, 3, 0, 3)))
-    assert not part.all_rows and part.dst.tolist() == [0, 1, 2, 5, 6]

@@ -31,4 +31,15 @@ DEFAULT_ORDER: tuple[Backend, ...] = (
     Backend.MATH,
 )
 
-__all__ = ["Backend", "BackendImpl", "IMPLS", "DEFAULT_ORDER"]
+# On the CPU, TRITON is the interpreter (TRITON_INTERPRET=1, for tests): the default order tries
+# MATH before it there, so a call CPU_FUSED refuses (float64, no compiled kernel) never lands on
+# the interpreter unless TRITON is named.
+CPU_ORDER: tuple[Backend, ...] = (
+    Backend.FLASH_VARLEN,
+    Backend.EFFICIENT,
+    Backend.CPU_FUSED,
+    Backend.MATH,
+    Backend.TRITON,
+)
+
+__all__ = ["Backend", "BackendImpl", "IMPLS", "DEFAULT_ORDER", "CPU_ORDER"]

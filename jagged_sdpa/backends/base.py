@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar, Iterator, Optional
 
+import torch
 from torch import Tensor
 
 from jagged_sdpa.checks import Reason
@@ -52,7 +53,8 @@ class BackendImpl:
 
     @classmethod
     def reasons(cls, spec: AttnSpec) -> tuple[Reason, ...]:
-        if (why := cls.is_available()) is not None:
+        why = _traced_availability(cls.backend.value) if torch.compiler.is_compiling() else cls.is_available()
+        if why is not None:
             return (why,)
         return (*capability_reasons(spec, cls.caps), *cls.extra_reasons(spec))
 
@@ -80,3 +82,12 @@ class BackendImpl:
         backends whose caps allow ``alibi_slopes_grad`` see such calls): (dq, dk, dv, dslopes).
         out, lse (float32) and state are the forward's; grad_out is contiguous."""
         raise NotImplementedError
+
+
+@torch.compiler.assume_constant_result
+def _traced_availability(backend: str) -> Optional[Reason]:
+    """``is_available()`` while torch.compile traces the selection: a constant of the process,
+    computed eagerly (its caches, imports and device queries are not Dynamo's to trace)."""
+    from jagged_sdpa.backends import IMPLS
+
+    return IMPLS[Backend(backend)].is_available()

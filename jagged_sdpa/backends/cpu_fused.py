@@ -1,4 +1,4 @@
-"""CPU_FUSED: the fast CPU path; the implementation lives in ``jagged_sdpa.backends.cpu``."""
+"""CPU_FUSED: the compiled CPU kernel; the implementation lives in ``jagged_sdpa.backends.cpu``."""
 
 from jagged_sdpa.backends.cpu import CpuFusedBackend
 

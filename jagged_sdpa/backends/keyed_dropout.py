@@ -29,7 +29,6 @@ the same function.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -105,11 +104,3 @@ def keep_mask(key: Tensor, b: int, heads: Union[int, Tensor], i_positions: Tenso
     r0 = philox4x32_10(c0, c1, c2, c3, seed, offset)[0]  # (H, Lq, Lk): every word mixes in by round 3
     return uniform(r0) >= torch.tensor(p, dtype=torch.float32, device=device)
 
-
-def dropped(probs: Tensor, key: Tensor, b: int, i_positions: Tensor, p: float, j_start: int = 0) -> Tensor:
-    """probs * keep / (1 - p) for probs (..., Lq, Lk) of sequence b whose leading dims flatten to
-    the query heads in order (MATH's (Hkv, group, Lq, Lk) included); its keys are at in-sequence
-    positions j_start, j_start + 1, ..."""
-    j = torch.arange(j_start, j_start + probs.shape[-1], device=probs.device)
-    keep = keep_mask(key, b, math.prod(probs.shape[:-2]), i_positions, j, p).view(probs.shape)
-    return probs * keep / (1.0 - p)

@@ -6,12 +6,14 @@ whatever the lengths: each sequence is walked in blocks of query rows whose scor
 window calls skip the rest), never B x max_len^2 nor even one sequence's Lq x Lk.
 
 The backward is our own (``ops.py`` calls it), not autograd over the forward, which would keep
-every block's scores alive: per block it runs the forward's own function (``attend_block``) again
-under autograd and differentiates it against grad_out, so peak memory is one block in both
-directions and the gradients are those of exactly the forward's rounding (one implementation of
-the math). dK/dV (and the ALiBi slopes' gradient, which only MATH gives) accumulate over blocks in
-the compute dtype; a paged cache's gradient sums, sequence by sequence in order, into the blocks
-each sequence read, so shared blocks accumulate deterministically.
+every block's scores alive: per block it recomputes the forward's probabilities with the forward's
+own function (``block_probs``, the one implementation of the score rule) and applies the
+gradient formulas of ``attend_block_backward`` to them, so peak memory is one block in both
+directions. No autograd runs inside it, so it works where autograd is off, e.g. under a
+``TorchDispatchMode`` (FlopCounterMode, selective activation checkpointing). dK/dV (and the
+ALiBi slopes' gradient, which only MATH gives) accumulate over blocks in the compute dtype; a
+paged cache's gradient sums, sequence by sequence in order, into the blocks each sequence read, so
+shared blocks accumulate deterministically.
 
 fp16/bf16 are computed in float32 and rounded once at the end. Rows that see no key give 0 and lse
 -inf, never NaN.
@@ -31,10 +33,12 @@ from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 # Most bytes of scores, (Hq, rows, keys) in the compute dtype, that one block of query rows holds.
-# A block's temporaries take a few times that: measured peaks of about 3x in the forward and 8x in
-# the backward (one block's autograd graph and its gradients), so about 128 MiB whatever the
-# lengths. Tests shrink it to put block boundaries everywhere on small shapes.
+# A block's temporaries take a few times that: about 2x in the forward and 3x in the backward (P,
+# dP and dP o P; 4x with a softcap, whose tanh it keeps), so under 64 MiB whatever the lengths.
+# Tests shrink it to put block boundaries everywhere on small shapes.
 SCORE_BUDGET_BYTES = 16 << 20
+# Most elements of a dropout mask drawn at once (Philox's int64 temporaries: 2 MiB each).
+MASK_CHUNK_ELEMENTS = 1 << 18
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -80,43 +84,140 @@ def blocks(spec: AttnSpec, len_q: int, len_k: int) -> Iterator[Block]:
             yield Block(r0, r1, lo, hi)
 
 
+def _heads(spec: AttnSpec, x: Tensor) -> Tensor:
+    """Rows (rows, Hq, d) -> (Hkv, G, rows, d) in the compute dtype: query head h = kvh * G + g
+    pairs with kv head kvh (``.to`` leaves a tensor already in the compute dtype as it is)."""
+    return x.to(compute_dtype(x.dtype)).unflatten(1, (spec.heads_kv, spec.gqa_group)).permute(1, 2, 0, 3)
+
+
+def _kv_heads(x: Tensor) -> Tensor:
+    """Keys (keys, Hkv, d) -> (Hkv, 1, keys, d) in the compute dtype, broadcast over the group."""
+    return x.to(compute_dtype(x.dtype)).permute(1, 0, 2).unsqueeze(1)
+
+
+class Probs(NamedTuple):
+    """A block's softmax probabilities p (Hkv, G, rows, keys), 0 at masked keys and in rows that
+    see no key; lse (Hq, rows); tanh(S0 / softcap) when the backward asks for it (else None);
+    hidden (rows, keys), True at the pairs the causal/window masks remove (None without masks)."""
+
+    p: Tensor
+    lse: Tensor
+    tanh: Optional[Tensor]
+    hidden: Optional[Tensor]
+
+
+def block_probs(spec: AttnSpec, qh: Tensor, kh: Tensor, slopes: Optional[Tensor], shift: int, block: Block,
+                keep_tanh: bool = False) -> Probs:
+    """The score rule, in API.md's order, once for forward and backward: S0 = scale * Q K^T, the
+    softcap cap * tanh(S0 / cap), ALiBi's -slope * |i' - j|, the causal/window masks, softmax.
+    GQA by broadcasting query groups against their kv head (no expanded K/V)."""
+    ct = qh.dtype
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(spec.scale)  # (Hkv, G, rows, keys)
+    tanh = hidden = None
+    if spec.softcap:
+        t = scores.div_(spec.softcap).tanh_()
+        if keep_tanh:  # the backward's softcap derivative 1 - tanh^2
+            tanh, scores = t, t * spec.softcap
+        else:
+            scores = t.mul_(spec.softcap)
+    if slopes is not None or spec.causal or spec.has_window:
+        pos, j = positions.aligned_positions(block.r0, block.r1, block.lo, block.hi, shift, qh.device)
+        if slopes is not None:
+            scores.add_(positions.alibi_bias(slopes.to(ct), pos, j, ct).view(scores.shape))
+        if spec.causal or spec.has_window:
+            hidden = ~positions.keep_mask(spec, pos, j)
+            scores.masked_fill_(hidden, float("-inf"))
+    # A row max that is -inf (no key visible) is replaced by 0 so exp() gives exact zeros.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = scores.sub_(row_max).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    lse = (row_max + torch.log(denom)).reshape(spec.heads_q, -1)
+    p.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
+    return Probs(p, lse, tanh, hidden)
+
+
+def _dropout_keep(spec: AttnSpec, key: Tensor, b: int, block: Block, shape: torch.Size, device) -> Tensor:
+    """The keyed mask (``keyed_dropout``) of the block's probabilities, shaped like them: its
+    (Hkv, G) heads flatten to the query heads in order, its rows and keys are in-sequence positions.
+    Drawn a few rows at a time: Philox's int64 temporaries would take 8 bytes per element each
+    for the whole block."""
+    keys = torch.arange(block.lo, block.hi, device=device)
+    keep = torch.empty(spec.heads_q, block.r1 - block.r0, block.hi - block.lo, dtype=torch.bool, device=device)
+    step = max(1, MASK_CHUNK_ELEMENTS // (spec.heads_q * keys.numel()))
+    for r in range(block.r0, block.r1, step):
+        rows = torch.arange(r, min(r + step, block.r1), device=device)
+        keep[:, r - block.r0:r - block.r0 + rows.numel()] = keyed_dropout.keep_mask(
+            key, b, spec.heads_q, rows, keys, spec.dropout_p)
+    return keep.view(shape)
+
+
+def _drop(x: Tensor, keep: Tensor, p: float) -> Tensor:
+    """x o Z / (1 - p) in place: dropout's factor, on the probabilities and on their gradient."""
+    return x.mul_(keep).div_(1.0 - p)
+
+
 def attend_block(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, slopes: Optional[Tensor], shift: int,
                  block: Block, dropout_key: Optional[Tensor] = None, b: int = 0) -> tuple[Tensor, Tensor]:
     """One block: q (rows, Hq, D) against its keys k (keys, Hkv, D), v (keys, Hkv, Dv) ->
-    out (rows, Hq, Dv) in q's dtype, lse (Hq, rows) in the compute dtype.
-
-    The forward runs it without grad; the backward runs it again under autograd on inputs already
-    in the compute dtype (``.to`` leaves them as they are, so every rounding is the forward's).
-    GQA by broadcasting query groups against their kv head (no expanded K/V)."""
-    rows, keys = block.r1 - block.r0, block.hi - block.lo
-    hkv, group = spec.heads_kv, spec.gqa_group
-    ct = compute_dtype(q.dtype)
-    qh = q.to(ct).unflatten(1, (hkv, group)).permute(1, 2, 0, 3)  # (Hkv, G, rows, D)
-    kh = k.to(ct).permute(1, 0, 2).unsqueeze(1)                   # (Hkv, 1, keys, D)
-    vh = v.to(ct).permute(1, 0, 2).unsqueeze(1)                   # (Hkv, 1, keys, Dv)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * spec.scale  # (Hkv, G, rows, keys)
-    if spec.softcap:
-        scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    if slopes is not None or spec.causal or spec.has_window:
-        pos, j = positions.aligned_positions(block.r0, block.r1, block.lo, block.hi, shift, q.device)
-        if slopes is not None:
-            bias = positions.alibi_bias(slopes.to(ct), pos, j, ct)
-            scores = scores + bias.view(hkv, group, rows, keys)
-        if spec.causal or spec.has_window:
-            scores = scores.masked_fill(~positions.keep_mask(spec, pos, j), float("-inf"))
-    # A row max that is -inf (no key visible) is replaced by 0 so exp() gives exact zeros.
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    with torch.no_grad():
-        lse = (row_max + torch.log(denom)).reshape(spec.heads_q, rows)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out (rows, Hq, Dv) in q's dtype, lse (Hq, rows) in the compute dtype."""
+    p, lse, _, _ = block_probs(spec, _heads(spec, q), _kv_heads(k), slopes, shift, block)
     if spec.dropout_p:
-        rows_at = torch.arange(block.r0, block.r1, device=q.device)  # in-sequence positions: keyed_dropout
-        p = keyed_dropout.dropped(p, dropout_key, b, rows_at, spec.dropout_p, j_start=block.lo)
-    out = torch.matmul(p, vh)                                     # (Hkv, G, rows, Dv)
-    return out.permute(2, 0, 1, 3).reshape(rows, spec.heads_q, -1).to(q.dtype), lse
+        p = _drop(p, _dropout_keep(spec, dropout_key, b, block, p.shape, q.device), spec.dropout_p)
+    out = torch.matmul(p, _kv_heads(v))                            # (Hkv, G, rows, Dv)
+    return out.permute(2, 0, 1, 3).reshape(block.r1 - block.r0, spec.heads_q, -1).to(q.dtype), lse
+
+
+class BlockGrads(NamedTuple):
+    """One block's gradients in the compute dtype: dq (rows, Hq, D), dk (keys, Hkv, D), dv (keys,
+    Hkv, Dv) summed over each GQA group, dslopes (Hq,) or None."""
+
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dslopes: Optional[Tensor]
+
+
+def attend_block_backward(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor,
+                          slopes: Optional[Tensor], shift: int, block: Block, dropout_key: Optional[Tensor] = None,
+                          b: int = 0, slopes_grad: bool = False) -> BlockGrads:
+    """The gradients of ``attend_block`` against grad_out (rows, Hq, Dv), from its probabilities
+    recomputed by ``block_probs`` (S1 the scores after softcap and bias, Pd = P o Z / (1 - p)):
+
+        dV = Pd^T dO    dP = (dO V^T) o Z / (1 - p)    dS1 = P o (dP - rowsum(dP o P))
+        dslope_h = -sum dS1_h o |i' - j|    dS0 = dS1 o (1 - tanh^2(S0 / cap))
+        dQ = scale dS0 K    dK = scale dS0^T Q
+
+    The block sees all its keys at once, so rowsum(dP o P) comes from the block's own P (no saved
+    out or lse). dK/dV sum over the query heads of a group inside one matmul."""
+    qh, kh, vh = _heads(spec, q), _kv_heads(k), _kv_heads(v)
+    do = _heads(spec, grad_out)                                    # (Hkv, G, rows, Dv)
+    p, _, tanh, hidden = block_probs(spec, qh, kh, slopes, shift, block, keep_tanh=True)
+    keep = None
+    if spec.dropout_p:
+        keep = _dropout_keep(spec, dropout_key, b, block, p.shape, q.device)
+    pd = p if keep is None else _drop(p.clone(), keep, spec.dropout_p)
+    dv = torch.matmul(pd.flatten(1, 2).transpose(-1, -2), do.flatten(1, 2))  # (Hkv, keys, Dv)
+    del pd
+    dp = torch.matmul(do, vh.transpose(-1, -2))                   # (Hkv, G, rows, keys)
+    if keep is not None:
+        _drop(dp, keep, spec.dropout_p)
+    ds = dp.sub_((dp * p).sum(dim=-1, keepdim=True)).mul_(p)      # dS1
+    if hidden is not None:  # exact zeros where masked, even in a NaN row (whose P is NaN there)
+        ds.masked_fill_(hidden, 0.0)
+    dslopes = None
+    if slopes_grad:
+        pos, j = positions.aligned_positions(block.r0, block.r1, block.lo, block.hi, shift, q.device)
+        dist = positions.distance(pos, j, ds.dtype).flatten()
+        dslopes = -torch.matmul(ds.reshape(spec.heads_q, -1), dist)
+    if tanh is not None:
+        ds.mul_(tanh.square_().neg_().add_(1.0))                  # dS0
+    ds.mul_(spec.scale)
+    dq = torch.matmul(ds, kh)                                     # (Hkv, G, rows, D)
+    dk = torch.matmul(ds.flatten(1, 2).transpose(-1, -2), qh.flatten(1, 2))  # (Hkv, keys, D)
+    rows = block.r1 - block.r0
+    return BlockGrads(dq.permute(2, 0, 1, 3).reshape(rows, spec.heads_q, -1), dk.permute(1, 0, 2),
+                      dv.permute(1, 0, 2), dslopes)
 
 
 KeyRows = Union[slice, Tensor]
@@ -196,8 +297,10 @@ class MathBackend(BackendImpl):
         return AttnOutput(out, lse if spec.return_lse else None)
 
     @classmethod
+    @torch.no_grad()
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
-        """Per block, ``attend_block`` again under autograd (``out`` and ``lse`` are not read)."""
+        """Per block, ``attend_block_backward`` (``out`` and ``lse`` are not read). Explicit
+        formulas, not autograd: it runs the same under a TorchDispatchMode (which excludes autograd)."""
         spec = call.spec
         ct = compute_dtype(spec.dtype)
         device = call.q.device
@@ -214,23 +317,18 @@ class MathBackend(BackendImpl):
             shift = positions.shift_of(spec, seq.len_q, len_k)
             dk_b = torch.zeros(seq.k.shape, dtype=ct, device=device)
             dv_b = torch.zeros(seq.v.shape, dtype=ct, device=device)
-            slopes = call.slopes_of(seq.b)
-            ds_b = None if dslopes is None else torch.zeros(slopes.shape, dtype=ct, device=device)
+            ds_b = None if dslopes is None else torch.zeros(spec.heads_q, dtype=ct, device=device)
             for block in blocks(spec, seq.len_q, len_k):
                 rows = slice(seq.q_start + block.r0, seq.q_start + block.r1)
                 keys = slice(block.lo, block.hi)
-                with torch.enable_grad():
-                    inputs = [t.detach().to(ct).requires_grad_() for t in (call.q[rows], seq.k[keys], seq.v[keys])]
-                    s = None if slopes is None else slopes.detach().to(ct).requires_grad_(ds_b is not None)
-                    block_out, _ = attend_block(spec, *inputs, s, shift, block, call.dropout_key, seq.b)
-                    wrt = inputs + ([s] if ds_b is not None else [])
-                    grads = torch.autograd.grad(block_out, wrt, grad_out[rows], allow_unused=True)
-                grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wrt)]
-                dq[rows] = grads[0]
-                dk_b[keys] += grads[1]
-                dv_b[keys] += grads[2]
+                g = attend_block_backward(spec, call.q[rows], seq.k[keys], seq.v[keys], grad_out[rows],
+                                          call.slopes_of(seq.b), shift, block, call.dropout_key, seq.b,
+                                          slopes_grad=ds_b is not None)
+                dq[rows] = g.dq
+                dk_b[keys] += g.dk
+                dv_b[keys] += g.dv
                 if ds_b is not None:
-                    ds_b += grads[3]
+                    ds_b += g.dslopes
             _add_rows(dk_rows, seq.key_rows, dk_b)
             _add_rows(dv_rows, seq.key_rows, dv_b)
             if ds_b is not None:

@@ -1,4 +1,4 @@
-"""The position rules of API.md 5b, written once for every torch-op backend (MATH, CPU_FUSED).
+"""The position rules of API.md 5b in torch ops, written once (MATH runs them; tests/reference.py is independent).
 
 A query row's aligned position is i' = i (top_left) or i + Lk - Lq (bottom_right). Causal keeps
 keys j <= i'; a window keeps i' - left <= j <= i' + right (-1 unbounded); ALiBi adds
@@ -52,8 +52,12 @@ def keep_mask(spec: AttnSpec, pos: Tensor, j: Tensor) -> Tensor:
     return keep
 
 
+def distance(pos: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
+    """|i' - j| in ``dtype``: ALiBi's bias per unit of slope (and so its derivative in the slope)."""
+    return (pos - j).abs().to(dtype)
+
+
 def alibi_bias(slopes: Tensor, pos: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
     """-slope * |i' - j| as (Hq, rows, keys) in ``dtype``, computed in float32 (float64 for it)."""
     exact = torch.float64 if dtype == torch.float64 else torch.float32
-    dist = (pos - j).abs().to(exact)
-    return (-slopes.to(exact).reshape(-1, 1, 1) * dist).to(dtype)
+    return (-slopes.to(exact).reshape(-1, 1, 1) * distance(pos, j, exact)).to(dtype)

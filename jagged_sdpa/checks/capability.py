@@ -31,6 +31,7 @@ class Capabilities:
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
+    dtype_why: str = ""               # why the other dtypes are refused, appended to the reason
     head_dim_max: int = 1 << 30
     head_dim_min: int = 1
     head_dim_multiple: int = 1
@@ -62,7 +63,8 @@ def device_reason(spec: AttnSpec, caps: Capabilities) -> Optional[Reason]:
 def dtype_reason(spec: AttnSpec, caps: Capabilities) -> Optional[Reason]:
     if spec.dtype in caps.dtypes:
         return None
-    return f"dtype {dtype_name(spec.dtype)} not supported (supported: {_names(caps.dtypes)})"
+    why = f": {caps.dtype_why}" if caps.dtype_why else ""
+    return f"dtype {dtype_name(spec.dtype)} not supported (supported: {_names(caps.dtypes)}){why}"
 
 
 def head_dim_reasons(spec: AttnSpec, caps: Capabilities):

@@ -1,5 +1,5 @@
-"""The CPU_FUSED backend: ``plan`` (visible key ranges per block of query rows), two engines
-(``fused``: PyTorch's fused CPU kernel; ``blocked``: matmuls), and ``backend`` (the BackendImpl)."""
+"""The CPU_FUSED backend: ``native`` (the compiled kernel ``csrc/attention.cpp`` and its ctypes
+binding) and ``backend`` (the BackendImpl that runs it and says what it refuses)."""
 
 from jagged_sdpa.backends.cpu.backend import CpuFusedBackend
 

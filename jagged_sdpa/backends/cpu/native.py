@@ -1,9 +1,9 @@
-"""Engine 5: our compiled CPU kernel (``csrc/attention.cpp``), forward and backward, built for this
-machine on first use.
+"""Our compiled CPU kernel (``csrc/attention.cpp``), forward and backward, built for this machine on
+first use, and its ctypes binding.
 
-Why compiled: every torch-op engine pays Python and dispatch per sequence, and PyTorch's fused CPU
-kernel runs MKL's AVX2 sgemm on this AMD CPU (89 GFLOP/s a core; AVX-512 FMAs reach ~190). One
-call of the compiled kernel runs a whole ragged batch on torch's own OpenMP threads.
+Why compiled: torch ops pay Python and dispatch per sequence, and PyTorch's fused CPU kernel runs
+MKL's AVX2 sgemm on AMD CPUs (89 GFLOP/s a core where AVX-512 FMAs reach ~190). One call of the
+compiled kernel runs a whole ragged batch on torch's own OpenMP threads.
 
 The build needs only a C++ compiler (``$CXX``, else ``g++``/``c++``): no torch headers, so it
 takes ~3 s, once per machine. The library is cached under ``$JAGGED_SDPA_CACHE`` (default
@@ -11,8 +11,8 @@ takes ~3 s, once per machine. The library is cached under ``$JAGGED_SDPA_CACHE``
 CPU's flags. ``JAGGED_SDPA_CPU_ARCH`` picks the ``-march`` target (default ``native``; e.g.
 ``x86-64-v3`` for a library that runs on any AVX2 machine, which CI builds to test the kernel
 without AVX-512). Without a compiler, with a target the compiler refuses or this CPU cannot run, or
-with ``JAGGED_SDPA_NATIVE=0``, the CPU path keeps its torch-op engines and ``explain`` says why:
-a failed build is a reason, never an error.
+with ``JAGGED_SDPA_NATIVE=0``, CPU_FUSED refuses every call with the reason (``explain``) and MATH
+runs it: a failed build is a reason, never an error.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
 ABI_VERSION = 7
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 1024, fewer for head
 # dims over 64; each key block is packed once for them), sequences with at most DIRECT_ROWS queries run as direct rows (all heads,
@@ -52,8 +53,8 @@ Q_CHUNK = 1024
 DIRECT_ROWS = 2
 DIRECT_KEYS = 256
 
-# Per-thread scratch grows with the head dims (a work item's rows of D floats, ~256 KB): beyond this the
-# torch-op engines, which need no scratch, run instead.
+# Per-thread scratch grows with the head dims (a work item's rows of D floats, ~256 KB): beyond this
+# CPU_FUSED refuses the call (MATH runs it).
 MAX_HEAD_DIM = 1024
 
 
@@ -266,35 +267,18 @@ def reset() -> None:
         _STATE.clear()
 
 
-def skip_reason(spec: AttnSpec) -> Optional[str]:
-    """None when the compiled kernel runs this call's forward, else why not (for ``explain``).
-
-    It takes packed keys or a paged cache in fp32/fp16/bf16 with every option, dropout included
-    (``keyed_dropout``'s mask). float64 keeps the torch engines (the kernel computes in float32)."""
-    if spec.dtype not in _DTYPES:
-        return f"{str(spec.dtype).replace('torch.', '')}: the kernel computes in float32"
-    if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
-        return f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}"
-    if not spec.last_dim_contiguous or spec.device_type != "cpu":
-        return "last dim not contiguous" if spec.device_type == "cpu" else f"{spec.device_type} tensors"
-    if library() is None:
-        return f"unavailable: {_STATE.get('why') or 'disabled'}"
-    return None
-
-
 # The backward keeps, per work item (one sequence and kv head), float32 copies of its query heads'
-# q, dO and dQ: above this many bytes per item the torch-op backward runs instead.
+# q, dO and dQ: above this many bytes per item CPU_FUSED refuses a call that needs a gradient.
 BACKWARD_ITEM_BYTES = 256 << 20
 
 
-def backward_skip_reason(spec: AttnSpec) -> Optional[str]:
-    """None when the compiled kernel runs this call's backward, else why not."""
-    why = skip_reason(spec)
-    if why is None:
-        per_item = spec.gqa_group * spec.max_seqlen_q * (2 * spec.head_dim + spec.head_dim_v) * 4
-        if per_item > BACKWARD_ITEM_BYTES:
-            why = f"a sequence's backward scratch would take {per_item >> 20} MiB"
-    return why
+def backward_scratch_reason(spec: AttnSpec) -> Optional[str]:
+    """None when the backward's scratch of the longest sequence fits ``BACKWARD_ITEM_BYTES``."""
+    per_item = spec.gqa_group * spec.max_seqlen_q * (2 * spec.head_dim + spec.head_dim_v) * 4
+    if per_item <= BACKWARD_ITEM_BYTES:
+        return None
+    return (f"gradient needed: the backward's scratch for one sequence and KV head would take {per_item >> 20} MiB "
+            f"(> {BACKWARD_ITEM_BYTES >> 20} MiB)")
 
 
 _INT64_MAX = (1 << 63) - 1
@@ -336,7 +320,7 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         q.stride(0), q.stride(1), k_tok, k_head, v_tok, v_head, out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1),
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
-        left, right, _DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
+        left, right, DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
         seed, offset, spec.dropout_p,
     )
 

@@ -47,8 +47,9 @@ ABI_VERSION = 7
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 1024, fewer for head
-# dims over 64; each key block is packed once for them), sequences with at most DIRECT_ROWS queries run as direct rows (all heads,
-# no packing: decoding), whose keys go in steps of DIRECT_KEYS (at most 256). Tests shrink them.
+# dims over 64; each key block is packed once for them), sequences with at most DIRECT_ROWS queries
+# run as direct rows (all heads, no packing: decoding), whose keys go in steps of DIRECT_KEYS (at
+# most 256). Tests shrink them.
 Q_CHUNK = 1024
 DIRECT_ROWS = 2
 DIRECT_KEYS = 256

@@ -85,6 +85,15 @@ def _cpuinfo() -> dict:
     return info
 
 
+def _bf16_tiles() -> str:
+    """What the compiled kernel runs bf16 on here (js_bf16_tiles)."""
+    lib = native.library()
+    if lib is None:
+        return ""
+    return "; bf16 tiles: " + {2: "AMX (tdpbf16ps)", 1: "AVX512-BF16 (vdpbf16ps)"}.get(lib.js_bf16_tiles(),
+                                                                                    "float32 FMAs")
+
+
 def machine_lines() -> list[str]:
     """What this run ran on: CPU model, vector extensions, CPUs and threads, software versions."""
     info = _cpuinfo()
@@ -105,7 +114,8 @@ def machine_lines() -> list[str]:
         f"# torch {torch.__version__} (oneDNN {'yes' if torch.backends.mkldnn.is_available() else 'no'}, "
         f"MKL {'yes' if torch.backends.mkl.is_available() else 'no'}, "
         f"{torch.backends.cpu.get_cpu_capability()}); compiler: {compiler}",
-        f"# compiled kernel: {native.build_target() or 'not used: ' + str(native.unavailable_reason())}",
+        f"# compiled kernel: {native.build_target() or 'not used: ' + str(native.unavailable_reason())}"
+        f"{_bf16_tiles()}",
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load {load}",
     ]
 

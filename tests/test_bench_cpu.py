@@ -2,7 +2,8 @@
 no FlexAttention, whose compile takes minutes, and no memory processes): the machine lines, the
 GEMM yardstick, a workload row with its K/V read floor, the tiny call and the targets table. The
 benchmark checks every contender's output against ours before timing it, so a run is also a test.
-Plus the FLOP count and the targets' arithmetic on made-up timings.
+Plus the FLOP count and the targets' arithmetic on made-up timings, and the tile micro-benchmark
+(``benchmarks/tiles.cpp``) built and run once.
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 
+import pytest
 import torch
+
+from jagged_sdpa.backends.cpu import native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +42,7 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^# cpu: .+; \d+ CPUs usable .+torch threads 1$", out, re.M), out[:2000]
     assert "# vector extensions: " in out and "# compiled kernel: -march=" in out
+    assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32)", out, re.M), out[:2000]
     for dtype in ("float32", "bfloat16"):
         assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
     assert re.search(r"^\| W4 fwd \| [\d.]+ \| \d+ \| \d+ \(\d+%\) \|", out, re.M), out
@@ -64,3 +71,21 @@ def test_flops_count_visible_pairs_and_targets_compare_with_the_bounds():
     assert targets["W4 decode <= 2x reading its K/V"][1] == "unmet"  # 3x
     assert targets["every row >= 1.0x the fastest contender"] == ("lowest W1 fwd 0.99x; below: W1 fwd 0.99x",
                                                                    "unmet")
+
+
+def test_tile_micro_benchmark_builds_and_measures(tmp_path):
+    """``benchmarks/tiles.cpp`` (the shipped tiles alone, BENCHMARKS.md's bound of the fp32 and bf16
+    rows) builds with the kernel's flags and prints a rate per tile: the AMX tile where this CPU
+    has AMX."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "tiles"
+    subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-fno-math-errno", "-o", str(exe),
+                    os.path.join(ROOT, "benchmarks", "tiles.cpp")], check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe), "2"], check=True, capture_output=True, text=True, timeout=120).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == 3 and all(re.match(r"fp32 tile<6>: \d+ GFLOP/s", line) for line in lines), out
+    lib = native.library()
+    if lib is not None and native.target_arch() == "native" and lib.js_bf16_tiles() == 2:
+        assert all(re.search(r"bf16 AMX tile: \d+ GFLOP/s$", line) for line in lines), out

@@ -126,12 +126,20 @@ def test_decode_rows_over_many_key_steps(split):
         _check(q_lens, k_lens, 8, 2, 64, 64, torch.float32, opts)
 
 
-def test_threads_do_not_change_a_bit(split):
-    q = torch.randn(sum(Q_LENS), 4, 32)
-    k = torch.randn(sum(K_LENS), 4, 32)
-    v = torch.randn(sum(K_LENS), 4, 32)
-    run = lambda: jagged_sdpa.varlen_attention(q, k, v, cu_of(Q_LENS), cu_of(K_LENS), causal=True,
-                                               return_lse=True, backend=CPU)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_threads_do_not_change_a_bit(split, dtype):
+    """Forward (out, lse) and backward (dq, dk, dv) on one thread and on two: the same bits."""
+    q = torch.randn(sum(Q_LENS), 4, 32).to(dtype).requires_grad_()
+    k = torch.randn(sum(K_LENS), 4, 32).to(dtype).requires_grad_()
+    v = torch.randn(sum(K_LENS), 4, 32).to(dtype).requires_grad_()
+    dout = torch.randn(sum(Q_LENS), 4, 32).to(dtype)
+
+    def run():
+        out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(Q_LENS), cu_of(K_LENS), causal=True,
+                                                return_lse=True, backend=CPU)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        return (out, lse, *grads)
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -140,7 +148,25 @@ def test_threads_do_not_change_a_bit(split):
         two = run()
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_bf16_runs_on_the_widest_tiles_this_cpu_has():
+    """bf16 inputs run on AMX tiles (forward and backward) where the CPU has AMX (amx_bf16 in
+    /proc/cpuinfo: Linux offers the tile state), on vdpbf16ps tiles (forward) where it has
+    AVX512-BF16 alone, else on float32 FMAs: the bf16 tests here ran on this CPU's best tiles.
+    test_portable_build.py runs them on the other two."""
+    lib = native.library()
+    if lib is None or native.target_arch() != "native":
+        pytest.skip("the compiled kernel is not the native build")
+    flags = set(native._cpu_flags().split())
+    if {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags:
+        expected = 2
+    elif {"avx512_bf16", "avx512bw"} <= flags:
+        expected = 1
+    else:
+        expected = 0
+    assert lib.js_bf16_tiles() == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -7,7 +7,9 @@ registers; see the top of attention.cpp), so CI builds ``x86-64-v3`` (AVX2 + FMA
 every machine and runs a subset of ``test_native.py`` with it in a child python, against the
 float64 reference: forward (every option, fp32/fp16/bf16, both work splits), backward, decode rows,
 paged caches in both directions, dropout masks, odd head dims, NaN propagation. The child proves which library it ran (its build
-target and path), and the library's code is checked for 512-bit registers with ``objdump``.
+target and path), and the library's code is checked for 512-bit registers with ``objdump``. On a
+CPU with AVX512-BF16, CI also builds ``cooperlake`` (AVX512-BF16, no AMX) and runs the bf16 tests
+on its vdpbf16ps tiles, which an AMX machine's native build does not use.
 
 A failed build (a value the compiler refuses, a badly spelled value, a missing compiler, a target
 this CPU cannot run) is cpu_fused's reason in ``explain``, and the call runs on MATH.
@@ -50,13 +52,22 @@ SUBSET = ("test_every_option_and_dtype_matches_reference"
           " or test_kernel_mask_ignores_threads_and_work_split"
           " or (test_math_and_kernel_match_the_reference_exactly and float32)")
 
-_CHILD = f"""
+_CHILD = """
 import sys, pytest
 from jagged_sdpa.backends.cpu import native
 print("TARGET", native.build_target(), native.unavailable_reason(), flush=True)
 print("LIBRARY", native.library_path(), flush=True)
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_native.py", "tests/test_dropout.py", "-k", {SUBSET!r}]))
+print("BF16_TILES", native.library().js_bf16_tiles(), flush=True)
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_native.py", "tests/test_dropout.py", "-k", {subset!r}]))
 """
+
+# The bf16 tests of the same files (forward, backward, head dims and GQA, paged caches, NaN
+# rows, empty rows, dropout), for the build that runs bf16 on vdpbf16ps tiles.
+BF16_SUBSET = ("bfloat16 and (test_every_option_and_dtype_matches_reference or test_backward or test_head_dims_and_gqa"
+               " or test_paged or test_nan or test_rows_that_see_no_key or dropout)")
+# AVX512-BF16 without AMX: the native build of an AMX machine runs bf16 on AMX tiles, so CI builds
+# this target too, and its bf16 tiles (vdpbf16ps) pass the bf16 tests.
+NO_AMX = "cooperlake"
 
 
 def _arch_env(arch: str) -> dict:
@@ -66,11 +77,12 @@ def _arch_env(arch: str) -> dict:
 
 
 def test_x86_64_v3_build_has_no_avx512_and_passes_the_kernel_tests():
-    proc = run_child(_CHILD, env=_arch_env(PORTABLE), timeout=600)
+    proc = run_child(_CHILD.format(subset=SUBSET), env=_arch_env(PORTABLE), timeout=600)
     out = proc.stdout
     target = re.search(r"^TARGET (.*)$", out, re.M).group(1)
     assert target.startswith(f"-march={PORTABLE} (") and "avx2" in target and "fma" in target, target
     assert "avx512" not in target, target
+    assert re.search(r"^BF16_TILES 0$", out, re.M), out[-2000:]  # bf16 widened to float32
     assert proc.returncode == 0, out[-4000:]
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= 80 and not re.search(r"\d+ (failed|error|skipped)", out), out[-2000:]
@@ -79,6 +91,19 @@ def test_x86_64_v3_build_has_no_avx512_and_passes_the_kernel_tests():
     if shutil.which("objdump"):
         code = subprocess.run(["objdump", "-d", library], capture_output=True, text=True, check=True).stdout
         assert "ymm" in code and "zmm" not in code  # 256-bit registers, no 512-bit ones
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _CPU_FLAGS,
+                    reason=f"needs a CPU that runs {NO_AMX} (AVX512-BF16)")
+def test_bf16_tiles_without_amx_pass_the_bf16_kernel_tests():
+    proc = run_child(_CHILD.format(subset=BF16_SUBSET), env=_arch_env(NO_AMX), timeout=600)
+    out = proc.stdout
+    target = re.search(r"^TARGET (.*)$", out, re.M).group(1)
+    assert target.startswith(f"-march={NO_AMX} (") and "avx512_bf16" in target and "amx" not in target, target
+    assert re.search(r"^BF16_TILES 1$", out, re.M), out[-2000:]  # vdpbf16ps
+    assert proc.returncode == 0, out[-4000:]
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed.group(1)) >= 60 and not re.search(r"\d+ (failed|error|skipped)", out), out[-2000:]
 
 
 def _v3_library(monkeypatch, tmp_path=None):

@@ -46,15 +46,16 @@ ABI_VERSION = 7
 # The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-# The kernel's work split (attention.cpp): query rows per work item (at most 256; each key block is
-# packed once for them), sequences with at most DIRECT_ROWS queries run as direct rows (all heads,
-# no packing: decoding), whose keys go in steps of DIRECT_KEYS (at most 256). Tests shrink them.
-Q_CHUNK = 256
+# The kernel's work split (attention.cpp): query rows per work item (at most 1024, fewer for head
+# dims over 64; each key block is packed once for them), sequences with at most DIRECT_ROWS queries
+# run as direct rows (all heads, no packing: decoding), whose keys go in steps of DIRECT_KEYS (at
+# most 256). Tests shrink them.
+Q_CHUNK = 1024
 DIRECT_ROWS = 2
 DIRECT_KEYS = 256
 
-# Per-thread scratch grows with the head dims (256 query rows of D floats): beyond this CPU_FUSED
-# refuses the call (MATH runs it).
+# Per-thread scratch grows with the head dims (a work item's rows of D floats, ~256 KB): beyond this
+# CPU_FUSED refuses the call (MATH runs it).
 MAX_HEAD_DIM = 1024
 
 

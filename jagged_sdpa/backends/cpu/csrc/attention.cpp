@@ -15,8 +15,11 @@
 // out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
 // window) on the aligned position i' = i + shift. Computation is float32 whatever the input dtype
-// (fp16/bf16 are widened exactly on load), except that bf16 forward tiles multiply bf16 pairs
-// (vdpbf16ps) where the CPU has AVX512-BF16.
+// (fp16/bf16 are widened exactly on load), except bf16 products: where the CPU has AMX (and Linux
+// grants its tile state) the forward and the backward multiply bf16 on AMX tiles (tdpbf16ps, 16
+// query rows a tile), where it has AVX512-BF16 only the forward uses vdpbf16ps; products are exact
+// and sums float32, but P (and the backward's dS) is rounded to bf16 for its product, as flash
+// attention does on GPUs (js_bf16_tiles says which).
 //
 // Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
 // loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
@@ -30,8 +33,8 @@
 // Z = keep / (1 - p), keep drawn by Philox4x32-10 from the counter (j, i, h, b) under the call's
 // key, recomputed (never stored) in the backward; no thread count, work split or packing changes it.
 //
-// Sections: vector helpers; parameters; dropout; forward tiles (fp32, bf16); direct rows
-// (decoding); forward driver; backward; C entry points.
+// Sections: vector helpers; parameters; packing; dropout; forward tiles (fp32, bf16 vdpbf16ps,
+// AMX); direct rows (decoding); forward driver; backward; C entry points.
 
 #include <algorithm>
 #include <cmath>
@@ -42,19 +45,46 @@
 
 #include <omp.h>
 #include <type_traits>
+#include <utility>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define JS_AVX512 1
+#else
+#define JS_AVX512 0
+#endif
+// Key blocks are packed with AVX-512 transposes and masked loads, except under AddressSanitizer,
+// which does not see intrinsic loads: there the element-by-element packing reads the same rows,
+// so that a read past one is reported (tests/test_sanitizers.py; the guard-page tests check the
+// vector path).
+#if JS_AVX512 && !defined(__SANITIZE_ADDRESS__)
+#define JS_PACK512 1
+#else
+#define JS_PACK512 0
+#endif
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define JS_BF16_DOT 1  // bf16 inputs multiply as bf16 pairs (vdpbf16ps), accumulating in float32
 #else
 #define JS_BF16_DOT 0
 #endif
+#if JS_BF16_DOT && JS_AVX512 && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define JS_AMX 1  // bf16 forward tiles on AMX (tdpbf16ps) when Linux grants the tile state
+#else
+#define JS_AMX 0
+#endif
 
 namespace {
 
 constexpr int W = 16;        // floats per vector
 constexpr int BK = 64;       // keys per block (4 vectors): packed K^T and V of a block stay in L1
-constexpr int QCHUNK = 256;  // query rows per work item: each key block is packed once for them
+// Most query rows per work item: each key block is packed once for them (1024 rows ran W1 5% faster
+// than 256: a 300-token sequence packed its keys twice). Fewer for wide heads, so that a thread's
+// rows of q and O stay near 256 KB each.
+constexpr int QCHUNK = 1024;
 constexpr int R = 6;         // query rows per micro-tile (24 accumulators of 16 floats)
+constexpr int TR = 16;       // query rows per AMX tile
 
 // A vector is W = 16 floats. With AVX-512 it is one register. With narrower registers (AVX2,
 // SSE, NEON) it is a struct of 64 / JS_VEC_BYTES native vectors: GCC has no register for a 64-byte
@@ -107,7 +137,14 @@ inline vf as_float(vi x) { vf r; JS_PARTS(r, reinterpret_cast<nvf>(x.h[i_])); re
 #undef JS_PARTS
 #endif
 
-inline vf splat(float x) { return build([x](int) { return nvf{} + x; }); }
+// x in every lane, as a list of NL copies: written `nvf{} + x` it was an add of +0 (which IEEE
+// does not let the compiler drop) and a register broadcast, both on the FMA ports, per broadcast
+// of the tiles' inner loops (the tiles ran at 70% of the FMA rate); this is one broadcast load.
+template <size_t... I>
+inline nvf lanes_of(float x, std::index_sequence<I...>) {
+    return nvf{((void)I, x)...};
+}
+inline vf splat(float x) { return build([x](int) { return lanes_of(x, std::make_index_sequence<NL>{}); }); }
 inline vf loadu(const float* p) {
     return build([p](int i) { nvf r; std::memcpy(&r, p + i * NL, sizeof r); return r; });
 }
@@ -214,6 +251,47 @@ struct BF16 {
     }
 };
 
+#if JS_AVX512
+// 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i of the rows r[0..16).
+inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// The first n (0..16) elements of a row as float32 words, the rest zero and never read (masked
+// loads do not touch memory past the row).
+inline __mmask16 lanes16(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline __m512i row_words(F32, const float* p, int n) { return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes16(n), p)); }
+inline __m512i row_words(F16, const _Float16* p, int n) {
+    return _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes16(n), p)));
+}
+inline __m512i row_words(BF16, const uint16_t* p, int n) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes16(n), p)), 16);
+}
+// The first n (0..32) bf16 elements of a row as 16 words of pairs, the rest zero.
+inline __m512i row_pairs(const void* p, int n) {  // p: bf16 elements
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u), p);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -244,7 +322,7 @@ struct JsParams {
     int32_t dtype;           // 0 float32, 1 float16, 2 bfloat16
     int32_t threads;
     // Work split (tests shrink them to reach every path on small shapes): query rows per item
-    // (at most QCHUNK), sequences with at most direct_rows queries run as direct rows, whose keys
+    // (capped by chunk_rows), sequences with at most direct_rows queries run as direct rows, whose keys
     // go in steps of direct_keys (at most DIRECT_KEYS).
     int32_t q_chunk, direct_rows, direct_keys;
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
@@ -277,6 +355,137 @@ inline int64_t key_offset(const JsParams& p, int64_t b, int64_t j, int64_t tok, 
 }
 inline int64_t key_count(const JsParams& p, int64_t b) {
     return p.seqused_k ? p.seqused_k[b] : p.cu_k[b + 1] - p.cu_k[b];
+}
+
+// The rows of key block [kb, kb + nk) of sequence b in k or v (x, with that tensor's token, block
+// and head strides), kv head hk.
+template <class T>
+struct KeyRows {
+    const JsParams& p;
+    const void* x;
+    int64_t tok, blk, head, b, kb, hk;
+    const T* operator()(int j) const {
+        return static_cast<const T*>(x) + key_offset(p, b, kb + j, tok, blk) + hk * head;
+    }
+};
+template <class T>
+KeyRows<T> k_rows(const JsParams& p, int64_t b, int64_t kb, int64_t hk) {
+    return {p, p.k, p.k_tok, p.k_block, p.k_head, b, kb, hk};
+}
+template <class T>
+KeyRows<T> v_rows(const JsParams& p, int64_t b, int64_t kb, int64_t hk) {
+    return {p, p.v, p.v_tok, p.v_block, p.v_head, b, kb, hk};
+}
+
+// Packing a key block for the tiles (rows: its nk rows of len elements). With AVX-512: 16 x 16
+// word transposes of rows read with masked loads (nothing past a row is touched); otherwise
+// element by element.
+//
+// Transposed: dst[e * BK + j] = 32-bit word e of key j, e < words, zero for keys j >= nk: floats
+// widened from the input, or (Pairs) the input's bf16 as pairs of elements (words: the padded
+// pair count, zero past len). K^T for q.k^T (and V^T for dO.v^T).
+template <class IO, bool Pairs, class Rows>
+void pack_transposed(const Rows& rows, int nk, int64_t len, int64_t words, uint32_t* dst) {
+    typedef typename IO::T T;
+#if JS_PACK512
+    const int elems = Pairs ? 32 : 16;  // input elements per row of 16 words
+    auto words_at = [&](const T* row, int64_t e0) {  // words e0 .. e0 + 16 of a row
+        const int n = static_cast<int>(std::clamp<int64_t>(len - e0 * (Pairs ? 2 : 1), 0, elems));
+        if (n == 0) return _mm512_setzero_si512();
+        if constexpr (Pairs) return row_pairs(row + 2 * e0, n);
+        else return row_words(IO{}, row + e0, n);
+    };
+    for (int j0 = 0; j0 < BK; j0 += 16) {
+        if (j0 >= nk) {
+            for (int64_t e = 0; e < words; ++e) std::fill(dst + e * BK + j0, dst + e * BK + BK, 0u);
+            break;
+        }
+        const T* src[16];
+        for (int j = 0; j < 16; ++j) src[j] = j0 + j < nk ? rows(j0 + j) : nullptr;
+        for (int64_t e0 = 0; e0 < words; e0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; ++j) r[j] = src[j] ? words_at(src[j], e0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t i = 0; i < std::min<int64_t>(16, words - e0); ++i) _mm512_storeu_si512(dst + (e0 + i) * BK + j0, r[i]);
+        }
+    }
+#else
+    std::fill(dst, dst + words * BK, 0u);
+    for (int j = 0; j < nk; ++j) {
+        const T* src = rows(j);
+        if constexpr (Pairs) {
+            for (int64_t e = 0; e + 1 < len; e += 2) std::memcpy(dst + (e / 2) * BK + j, src + e, 4);
+            if (len % 2) dst[(len / 2) * BK + j] = src[len - 1];
+        } else {
+            for (int64_t e = 0; e < len; ++e) {
+                const float x = IO::ld(src + e);
+                std::memcpy(dst + e * BK + j, &x, 4);
+            }
+        }
+    }
+#endif
+}
+
+// Row-major, width (a multiple of W) elements per key, zero past len: floats dst[j * width + e]
+// (keys j >= nk left as they are), or (Pairs) bf16 pairs of keys dst[(j / 2) * 2 width + 2e + j % 2]
+// (zero past nk). V for P.V (and K for dS.K).
+template <class IO, bool Pairs, class Rows>
+void pack_rows(const Rows& rows, int nk, int64_t len, int64_t width, void* dst) {
+    typedef typename IO::T T;
+#if JS_PACK512
+    if constexpr (Pairs) {
+        alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const __m512i idx = _mm512_load_si512(interleave);
+        uint16_t* vd = static_cast<uint16_t*>(dst);
+        for (int j = 0; j < BK; j += 2) {
+            uint16_t* out = vd + (j / 2) * width * 2;
+            if (j >= nk) {
+                std::fill(out, vd + BK * width, static_cast<uint16_t>(0));
+                break;
+            }
+            const T* a = rows(j);
+            const T* c = j + 1 < nk ? rows(j + 1) : nullptr;
+            for (int64_t e0 = 0; e0 < width; e0 += 16) {
+                const __mmask16 mask = lanes16(static_cast<int>(std::clamp<int64_t>(len - e0, 0, 16)));
+                const __m256i lo = mask ? _mm256_maskz_loadu_epi16(mask, a + e0) : _mm256_setzero_si256();
+                const __m256i hi = mask && c ? _mm256_maskz_loadu_epi16(mask, c + e0) : _mm256_setzero_si256();
+                _mm512_storeu_si512(out + 2 * e0, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+            }
+        }
+    } else {
+        float* vd = static_cast<float*>(dst);
+        for (int j = 0; j < nk; ++j) {
+            const T* src = rows(j);
+            for (int64_t e0 = 0; e0 < width; e0 += 16) {
+                const int n = static_cast<int>(std::clamp<int64_t>(len - e0, 0, 16));
+                _mm512_storeu_si512(vd + j * width + e0, n ? row_words(IO{}, src + e0, n) : _mm512_setzero_si512());
+            }
+        }
+    }
+#else
+    if constexpr (Pairs) {
+        uint16_t* vd = static_cast<uint16_t*>(dst);
+        std::fill(vd, vd + BK * width, static_cast<uint16_t>(0));
+        for (int j = 0; j < nk; ++j) {
+            const T* src = rows(j);
+            for (int64_t e = 0; e < len; ++e) vd[(j / 2) * width * 2 + 2 * e + j % 2] = src[e];
+        }
+    } else {
+        float* vd = static_cast<float*>(dst);
+        for (int j = 0; j < nk; ++j) {
+            const T* src = rows(j);
+            for (int64_t e = 0; e < len; ++e) vd[j * width + e] = IO::ld(src + e);
+            for (int64_t e = len; e < width; ++e) vd[j * width + e] = 0.f;
+        }
+    }
+#endif
+}
+
+// Query rows per work item: p.q_chunk, within the cap above.
+inline int64_t chunk_rows(const JsParams& p) {
+    const int64_t cap = std::clamp<int64_t>(65536 / std::max<int64_t>({p.head_dim, p.head_dim_v, 1}) / 16 * 16, 64, QCHUNK);
+    return std::clamp<int64_t>(p.q_chunk, 1, cap);
 }
 
 struct Item {
@@ -440,32 +649,46 @@ inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO
     if (lse) *lse = empty ? -INFINITY : m + std::log(l);
 }
 
-// The online-softmax update of RR rows of scores in pb (RR x BK), in place: P = exp(S - m_new),
-// l = alpha * l + sum(P), alpha = exp(m_old - m_new) per row (O is rescaled by the caller).
-// plain: every row sees the whole block and no softcap/ALiBi applies (no per-score rule).
-template <int RR>
-inline void softmax_rows(float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule, int64_t pos0) {
-    for (int r = 0; r < RR; ++r) {
+// The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
+// scores S = pre * raw: P = exp(S - m_new), l = alpha * l + sum(P), alpha = exp(m_old - m_new) per
+// row (O is rescaled by the caller). plain: every row sees the whole block and no softcap/ALiBi
+// applies (no per-score rule), so pre (> 0) rides in the exponent; otherwise the row is scaled first.
+// The alphas are one vexp for all rows (a scalar exp per row cost ~5% of a bf16 call).
+inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
+                         int64_t pos0, float pre) {
+    alignas(64) float m_old[W], m_new[W];
+    vf sums[W];
+    for (int r = 0; r < rows; ++r) {
         float* row = pb + r * BK;
-        if (!plain) rule.apply(row, pos0 + r);
+        float f = pre;
+        if (!plain || !(pre > 0.f)) {
+            if (pre != 1.f)
+                for (int c = 0; c < 4; ++c) storeu(row + c * W, loadu(row + c * W) * splat(pre));
+            f = 1.f;
+            if (!plain) rule.apply(row, pos0 + r);
+        }
         const float bm = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
-        if (adds_nothing(bm, row, BK)) {  // the row sees no key of this block
-            alpha[r] = 1.f;
+        if (adds_nothing(bm, row, BK)) {  // the row sees no key of this block: alpha 1, P 0
+            m_old[r] = m_new[r] = 0.f;
+            sums[r] = splat(0.f);
             for (int c = 0; c < 4; ++c) storeu(row + c * W, splat(0.f));
             continue;
         }
-        const float mn = std::max(m[r], bm);
-        alpha[r] = std::exp(m[r] - mn);  // 0 when m was -inf (O and l are still 0)
-        m[r] = mn;
-        const vf mv = splat(mn);
+        const float mn = std::max(m[r], bm * f);
+        m_old[r] = m[r];  // -inf before the row's first key: alpha 0 (O and l are still 0)
+        m_new[r] = m[r] = mn;
+        const vf fv = splat(f), mv = splat(mn);
         vf sum = splat(0.f);
         for (int c = 0; c < 4; ++c) {
-            const vf e = vexp(loadu(row + c * W) - mv);
+            const vf e = vexp(loadu(row + c * W) * fv - mv);
             storeu(row + c * W, e);
             sum += e;
         }
-        lv[r] = lv[r] * splat(alpha[r]) + sum;
+        sums[r] = sum;
     }
+    for (int r = rows; r < W; ++r) m_old[r] = m_new[r] = 0.f;
+    storeu(alpha, vexp(loadu(m_old) - loadu(m_new)));
+    for (int r = 0; r < rows; ++r) lv[r] = lv[r] * splat(alpha[r]) + sums[r];
 }
 
 // One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
@@ -475,8 +698,8 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
           bool plain, const RowRule& rule, int64_t pos0) {
     alignas(64) float pb[RR * BK];
     qk_tile<RR>(qp, d, d, kt, pb);
-    float alpha[RR];
-    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    alignas(64) float alpha[W];  // softmax_rows writes W
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)  // l (above) sums the probabilities before dropout, O after
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     column_chunks(dvp, [&](auto nv, int64_t c) {
@@ -538,26 +761,141 @@ __attribute__((noinline)) void pv_tile_bf16(const uint16_t* pbh, const float* al
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * dvp + c * W, acc[r][c]);
 }
 
+// Rows of x (floats, BK per row) as bf16 rows (round to nearest even).
+inline void bf16_rows(const float* x, int nrows, uint16_t* dst) {
+    for (int r = 0; r < nrows; ++r)
+        for (int c = 0; c < BK; c += 2 * W)
+            _mm512_storeu_si512(dst + r * BK + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * BK + c + W),
+                                                                               _mm512_loadu_ps(x + r * BK + c)));
+}
+
 template <int RR>
 void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* kt2, const uint16_t* vp2, int64_t dvp,
                float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
     alignas(64) float pb[RR * BK];
     alignas(64) uint16_t pbh[RR * BK];
     qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
-    float alpha[RR];
-    softmax_rows<RR>(pb, m, lv, alpha, plain, rule, pos0);
+    alignas(64) float alpha[W];  // softmax_rows writes W
+    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
-    for (int r = 0; r < RR; ++r)
-        for (int c = 0; c < BK / (2 * W); ++c) {
-            const float* x = pb + r * BK + c * 2 * W;
-            _mm512_storeu_si512(pbh + r * BK + c * 2 * W,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + W), _mm512_loadu_ps(x)));
-        }
+    bf16_rows(pb, RR, pbh);
     const int vpairs = (rule.nk + 1) / 2;
     column_chunks(dvp, [&](auto nv, int64_t c) {
         pv_tile_bf16<RR, decltype(nv)::value>(pbh, alpha, vpairs, vp2 + 2 * c, dvp, o + c);
     });
+}
+#endif
+
+#if JS_AMX
+// AMX tiles: tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one (stored as 16 rows of 16
+// bf16 pairs) into 16 x 16 float32, 16x the work of one vdpbf16ps. The packed layouts are the bf16
+// tiles' own: K^T pairs [pair][key] (a B tile: 16 pairs x 16 keys, rows BK words apart), V pairs
+// [key pair][column] (16 key pairs x 16 columns, rows dvp pairs apart), q rows and P rows as A
+// tiles (16 rows x 32 elements). The head dim is padded with zeros to a multiple of 32.
+// Linux hands out the tile state only on request (arch_prctl, once per process); refused (an old
+// kernel, a sandbox), bf16 tiles stay on vdpbf16ps.
+inline bool amx_ready() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+// Every tile 16 rows of 64 bytes; loaded per work item, released after it (a thread that holds
+// tile state makes every context switch save it).
+inline void amx_configure() {
+    struct alignas(64) {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = TR;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// C (16 x 16 nc floats, nc <= 4; rows ldc bytes apart) = [C +] sum over t < kt of A_t . B_t: A_t
+// a 16 x 32 bf16 tile at a + t * a_step bytes (rows lda apart), B_(t, c) a tile of 16 rows of 16
+// pairs at b + t * b_step + c * 64 bytes (rows ldb apart). Tiles 0-3 accumulate, 4 holds A, 5-7 B.
+inline void amx_mm(int nc, int64_t kt, bool acc, const void* a, int64_t lda, int64_t a_step, const void* b, int64_t ldb,
+                   int64_t b_step, float* c, int64_t ldc) {
+    const char* ab = static_cast<const char*>(a);
+    const char* bb = static_cast<const char*>(b);
+    if (acc) {
+        _tile_loadd(0, c, ldc);
+        if (nc > 1) _tile_loadd(1, c + W, ldc);
+        if (nc > 2) _tile_loadd(2, c + 2 * W, ldc);
+        if (nc > 3) _tile_loadd(3, c + 3 * W, ldc);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t t = 0; t < kt; ++t) {
+        const char* bt = bb + t * b_step;
+        _tile_loadd(4, ab + t * a_step, lda);
+        _tile_loadd(5, bt, ldb);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nc > 1) {
+            _tile_loadd(6, bt + 64, ldb);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nc > 2) {
+            _tile_loadd(7, bt + 128, ldb);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nc > 3) {
+            _tile_loadd(5, bt + 192, ldb);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, ldc);
+    if (nc > 1) _tile_stored(1, c + W, ldc);
+    if (nc > 2) _tile_stored(2, c + 2 * W, ldc);
+    if (nc > 3) _tile_stored(3, c + 3 * W, ldc);
+}
+
+// Rows (r0, r0 + 1) of x (floats, rows BK apart) as bf16 pairs dst[(r0 / 2) * 2 BK + 2j + r % 2]:
+// the B operand of a product over rows. nrows even.
+inline void bf16_row_pairs(const float* x, int nrows, uint16_t* dst) {
+    alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_load_si512(interleave);
+    for (int r = 0; r < nrows; r += 2)
+        for (int c = 0; c < BK; c += W) {
+            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * BK + c));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * BK + c));
+            _mm512_storeu_si512(dst + r * BK + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        }
+}
+
+// One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. qb has
+// TR rows (those past `rows` zero), ldq elements apart; dchunks = padded head dim / 32.
+void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const uint32_t* kt2, const uint16_t* vp2,
+              int64_t dvp, float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
+    alignas(64) float pb[TR * BK];
+    alignas(64) uint16_t pbh[TR * BK];
+    alignas(64) float pv[TR * 4 * W];
+    amx_mm(4, dchunks, false, qb, ldq * 2, 64, kt2, BK * 4, 16 * BK * 4, pb, BK * 4);
+    alignas(64) float alpha[W];
+    softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0, scale);
+    if (rule.p.dropout_p > 0.f)
+        for (int r = 0; r < rows; ++r) rule.drop(pb + r * BK, pos0 + r);
+    bf16_rows(pb, rows, pbh);
+    std::fill(pbh + rows * BK, pbh + TR * BK, static_cast<uint16_t>(0));
+    const int kchunks = (rule.nk + 31) / 32;  // keys past nk have P = 0 and zero V rows
+    for (int64_t c0 = 0; c0 < dvp; c0 += 4 * W) {
+        const int nc = static_cast<int>(std::min<int64_t>(4, (dvp - c0) / W));
+        amx_mm(nc, kchunks, false, pbh, BK * 2, 64, vp2 + 2 * c0, dvp * 4, 16 * dvp * 4, pv, 4 * W * 4);
+        for (int r = 0; r < rows; ++r) {
+            const vf a = splat(alpha[r]);
+            float* orow = o + r * dvp + c0;
+            for (int c = 0; c < nc; ++c) storeu(orow + c * W, loadu(orow + c * W) * a + loadu(pv + r * 4 * W + c * W));
+        }
+    }
 }
 #endif
 
@@ -667,18 +1005,18 @@ struct Scratch {
     }
     std::vector<uint16_t> qb, vp2;  // bf16 tiles: q rows, V pairs
     std::vector<uint32_t> kt2;      // bf16 tiles: K^T pairs
-    void fit_bf16(int64_t pairs, int64_t dvp) {
-        qb.resize(std::max<size_t>(qb.size(), QCHUNK * 2 * pairs));
+    void fit_bf16(int64_t rows, int64_t pairs, int64_t dvp) {  // rows: a multiple of TR
+        qb.resize(std::max<size_t>(qb.size(), rows * 2 * pairs));
         kt2.resize(pairs * BK);
         vp2.resize(BK * dvp);
     }
-    void fit_tiled(int64_t d, int64_t dvp) {
-        q.resize(std::max<size_t>(q.size(), QCHUNK * d));
-        o.resize(std::max<size_t>(o.size(), QCHUNK * dvp));
-        m.resize(std::max<size_t>(m.size(), QCHUNK));
+    void fit_tiled(int64_t rows, int64_t d, int64_t dvp) {
+        q.resize(std::max<size_t>(q.size(), rows * d));
+        o.resize(std::max<size_t>(o.size(), rows * dvp));
+        m.resize(std::max<size_t>(m.size(), rows));
         kt.resize(d * BK);
         v.resize(BK * dvp);
-        l.resize(QCHUNK);
+        l.resize(std::max<size_t>(l.size(), rows));
     }
 };
 
@@ -692,8 +1030,6 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         return;
     }
     const T* q = static_cast<const T*>(p.q);
-    const T* k = static_cast<const T*>(p.k);
-    const T* v = static_cast<const T*>(p.v);
     T* out = static_cast<T*>(p.out);
     const int64_t d = p.head_dim, dv = p.head_dim_v, dvp = (dv + W - 1) / W * W;
     const int64_t hk = it.h / (p.heads_q / p.heads_kv);
@@ -704,7 +1040,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     const int rows = it.rows;
     const float slope = p.slopes ? p.slopes[it.b * p.slopes_batch_stride + it.h] : 0.f;
     const bool scored = p.softcap > 0.f || p.slopes;
-    w.fit_tiled(d, dvp);
+    w.fit_tiled(rows, d, dvp);
 
     float* qp = w.q.data();
     float* kt = w.kt.data();
@@ -713,8 +1049,15 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     float* m = w.m.data();
     vf* lv = w.l.data();
     constexpr bool bf16_dot = JS_BF16_DOT && std::is_same<IO, BF16>::value;
-    const int64_t pairs = (d + 1) / 2;  // bf16 tiles: q.k as pairs of elements
-    if (bf16_dot) w.fit_bf16(pairs, dvp);
+#if JS_AMX
+    const bool amx = bf16_dot && amx_ready();
+#else
+    constexpr bool amx = false;
+#endif
+    // bf16 tiles: q.k as pairs of elements; AMX tiles take them 16 pairs at a time.
+    const int64_t pairs = amx ? (d + 31) / 32 * 16 : (d + 1) / 2;
+    const int padded_rows = amx ? (rows + TR - 1) / TR * TR : rows;
+    if (bf16_dot) w.fit_bf16(padded_rows, pairs, dvp);
     uint16_t* qb = w.qb.data();
     uint32_t* kt2 = w.kt2.data();
     uint16_t* vp2 = w.vp2.data();
@@ -722,13 +1065,17 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         const T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
         if (bf16_dot) {
             std::memcpy(qb + r * 2 * pairs, src, d * sizeof(T));
-            if (d % 2) qb[r * 2 * pairs + d] = 0;
+            std::fill(qb + r * 2 * pairs + d, qb + (r + 1) * 2 * pairs, static_cast<uint16_t>(0));
         } else {
             for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
         }
         m[r] = -INFINITY;
         lv[r] = splat(0.f);
     }
+    if (bf16_dot) std::fill(qb + rows * 2 * pairs, qb + padded_rows * 2 * pairs, static_cast<uint16_t>(0));
+#if JS_AMX
+    if (amx) amx_configure();
+#endif
     std::fill(o, o + rows * dvp, 0.f);
 
     int64_t lo_all, hi_first, lo_last, hi_all;
@@ -736,39 +1083,31 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
     for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
-        if (bf16_dot) {  // K^T as pairs (pairs x BK words), V as pairs of rows (BK/2 x Dvp x 2)
-            std::fill(kt2, kt2 + pairs * BK, 0u);
-            std::fill(vp2, vp2 + BK * dvp, static_cast<uint16_t>(0));
-            for (int j = 0; j < nk; ++j) {
-                const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-                for (int64_t e = 0; e + 1 < d; e += 2) std::memcpy(kt2 + (e / 2) * BK + j, ksrc + e, 4);
-                if (d % 2) kt2[(d / 2) * BK + j] = ksrc[d - 1];
-                const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-                uint16_t* vdst = vp2 + (j / 2) * dvp * 2 + (j % 2);
-                for (int64_t e = 0; e < dv; ++e) vdst[2 * e] = vsrc[e];
-            }
+        // K^T (words x BK, zero past nk) and V (nk x dvp, zero past dv) of this block.
+        if constexpr (bf16_dot) {
+            pack_transposed<IO, true>(k_rows<T>(p, it.b, kb, hk), nk, d, pairs, kt2);
+            pack_rows<IO, true>(v_rows<T>(p, it.b, kb, hk), nk, dv, dvp, vp2);
         } else {
-        // Pack K^T (D x BK, zero past nk) and V (nk x Dvp, zero past Dv) of this block.
-        for (int j = 0; j < nk; ++j) {
-            const T* ksrc = k + key_offset(p, it.b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-            for (int64_t e = 0; e < d; ++e) kt[e * BK + j] = IO::ld(ksrc + e);
-            const T* vsrc = v + key_offset(p, it.b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-            float* vdst = vp + j * dvp;
-            for (int64_t e = 0; e < dv; ++e) vdst[e] = IO::ld(vsrc + e);
-            for (int64_t e = dv; e < dvp; ++e) vdst[e] = 0.f;
-        }
-        if (nk < BK)
-            for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + nk, kt + e * BK + BK, 0.f);
+            pack_transposed<IO, false>(k_rows<T>(p, it.b, kb, hk), nk, d, d, reinterpret_cast<uint32_t*>(kt));
+            pack_rows<IO, false>(v_rows<T>(p, it.b, kb, hk), nk, dv, dvp, vp);
         }
         const RowRule rule{p, kb, len_k, nk, slope, it.b, it.h, pos0 - it.row0};
-        for (int r = 0; r < rows; r += R) {
-            const int rr = std::min(R, rows - r);
+        const int tile_rows = amx ? TR : R;
+        for (int r = 0; r < rows; r += tile_rows) {
+            const int rr = std::min(tile_rows, rows - r);
             int64_t lo_f, hi_f, lo_l, hi_l;
             key_range(p, pos0 + r, len_k, &lo_f, &hi_f);
             key_range(p, pos0 + r + rr - 1, len_k, &lo_l, &hi_l);
             if (hi_l <= kb || lo_f >= kb + nk) continue;  // no row of the tile sees this block
             const bool plain = !scored && nk == BK && lo_l <= kb && hi_f >= kb + BK;
             float* const args_o = o + r * dvp;
+#if JS_AMX
+            if (amx) {
+                tile_amx(rr, qb + r * 2 * pairs, 2 * pairs, pairs / 16, kt2, vp2, dvp, args_o, m + r, lv + r, plain, rule,
+                         pos0 + r, p.scale);
+                continue;
+            }
+#endif
 #if JS_BF16_DOT
             if (bf16_dot) {
                 switch (rr) {
@@ -787,6 +1126,9 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         }
     }
 
+#if JS_AMX
+    if (amx) _tile_release();
+#endif
     for (int r = 0; r < rows; ++r)
         finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
                        p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
@@ -818,7 +1160,7 @@ void run_all(const JsParams& p) {
                                  len_q * p.heads_q * (hi - lo + 16)});
             continue;
         }
-        const int64_t chunk = std::clamp<int64_t>(p.q_chunk, 1, QCHUNK);
+        const int64_t chunk = chunk_rows(p);
         for (int64_t r0 = 0; r0 < len_q; r0 += chunk) {
             const int rows = static_cast<int>(std::min<int64_t>(chunk, len_q - r0));
             int64_t lo1, hi1, lo2, hi2;
@@ -848,7 +1190,9 @@ void run_all(const JsParams& p) {
 // dP = dO.V^T, dS = P * (dP - delta) (times the softcap derivative); then dV += P^T.dO,
 // dK += dS^T.Q (Q is pre-scaled) and dQ += dS.K (scaled at the end). With dropout, Z (the
 // forward's mask, recomputed) gives dV += (P o Z)^T.dO and dS = P * (dP o Z - delta); delta =
-// rowsum(dO o O) is unchanged (O is the dropped output).
+// rowsum(dO o O) is unchanged (O is the dropped output). On AMX (bf16) the five products are tiles
+// of 16 rows: dV and dK accumulate transposed (dV^T += dO^T.P over the chunk's rows, 32 at a time)
+// and are transposed back once per key block.
 //
 // A paged cache is read in place through the block table, and dK/dV are cache-shaped. Sequences
 // may share cache blocks (prefix caching; a row may even list a block twice), so a block's dK/dV
@@ -912,22 +1256,58 @@ void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
 
 struct GradScratch {
     std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
-    void fit(int64_t rows, int64_t dp, int64_t dvp) {
-        q.assign(rows * dp, 0.f);
-        dout.assign(rows * dvp, 0.f);
+    // AMX (bf16): q and dO rows and transposed (rows padded), K^T and V^T pairs, K pairs of rows,
+    // P and dS as pairs of rows and dS as rows in bf16, dK^T and dV^T accumulators.
+    std::vector<uint16_t> qb, dob, qT, doT, kp2, pvn, dsvn, ds16;
+    std::vector<uint32_t> kt2, vt2;
+    std::vector<float> dkT, dvT;
+    void fit(int64_t rows, int64_t dp, int64_t dvp, bool amx) {
+        if (!amx) {
+            q.assign(rows * dp, 0.f);
+            dout.assign(rows * dvp, 0.f);
+            kt.resize(dp * BK);
+            vt.resize(dvp * BK);
+            kr.resize(BK * dp);
+        }
         dq.assign(rows * dp, 0.f);
         lse.resize(rows);
         delta.resize(rows);
-        kt.resize(dp * BK);
-        vt.resize(dvp * BK);
-        kr.resize(BK * dp);
         dk.resize(BK * dp);
         dv.resize(BK * dvp);
         p.resize(BQ_BWD * BK);
         ds.resize(BQ_BWD * BK);
         raw.resize(BQ_BWD * BK);
     }
+    void fit_amx(int64_t rows, int64_t dp, int64_t dvp, int64_t dpad, int64_t dvpad) {
+        qb.assign(rows * dpad, 0);
+        dob.assign(rows * dvpad, 0);
+        qT.assign(dp * rows, 0);
+        doT.assign(dvp * rows, 0);
+        kt2.resize(dpad / 2 * BK);
+        vt2.resize(dvpad / 2 * BK);
+        kp2.resize(BK * dp);
+        pvn.resize(BQ_BWD * BK);
+        dsvn.resize(BQ_BWD * BK);
+        ds16.resize(BQ_BWD * BK);
+        dkT.resize(dp * BK);
+        dvT.resize(dvp * BK);
+    }
 };
+
+#if JS_AMX
+// dst[j * width + e] = scale * src[e * BK + j] for j < BK, e < width (a multiple of 16).
+inline void transpose_into(const float* src, int64_t width, float scale, float* dst) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t e0 = 0; e0 < width; e0 += 16)
+        for (int j0 = 0; j0 < BK; j0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (e0 + i) * BK + j0);
+            transpose16(r);
+            for (int i = 0; i < 16; ++i)
+                _mm512_storeu_ps(dst + (j0 + i) * width + e0, _mm512_mul_ps(_mm512_castsi512_ps(r[i]), sc));
+        }
+}
+#endif
 
 // Runs f<RR>(r) for RR = min(R, n - r) over r = 0, R, 2R, ... < n.
 #define JS_FOR_TILES(n, CALL)                           \
@@ -1039,27 +1419,49 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t len_k = key_count(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
-    const int64_t rows = group * len_q;  // scratch rows: query head g's row i at g * len_q + i
-    w.fit(rows, dp, dvp);
+#if JS_AMX
+    const bool amx = std::is_same<IO, BF16>::value && amx_ready();
+#else
+    constexpr bool amx = false;
+#endif
+    // Scratch rows: query head gi's row i at gi * lq + i. AMX tiles sum over rows 32 at a time, so
+    // there each head's rows are padded to a multiple of 32 with zero rows (lse +inf: P = 0).
+    const int64_t lq = amx ? (len_q + 31) / 32 * 32 : len_q;
+    const int64_t rows = group * lq;
+    const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
+    w.fit(rows, dp, dvp, amx);
+    if (amx) w.fit_amx(rows, dp, dvp, dpad, dvpad);
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
-        for (int64_t i = 0; i < len_q; ++i) {
-            const int64_t row = gi * len_q + i;
+        for (int64_t i = 0; i < lq; ++i) {
+            const int64_t row = gi * lq + i;
+            if (i >= len_q) {  // AMX padding
+                w.delta[row] = 0.f;
+                w.lse[row] = INFINITY;
+                continue;
+            }
             const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
             const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
             const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
-            for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
             float delta = 0.f;
-            for (int64_t e = 0; e < dv; ++e) {
-                const float x = IO::ld(dos + e);
-                w.dout[row * dvp + e] = x;
-                delta += x * IO::ld(os + e);
+            for (int64_t e = 0; e < dv; ++e) delta += IO::ld(dos + e) * IO::ld(os + e);
+            if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
+                std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
+                std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
+                for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
+                for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
+            } else {
+                for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
+                for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
             }
             w.delta[row] = delta;
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
         }
     }
+#if JS_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t kb = 0; kb < len_k; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
         // Rows that see any key of this block: a contiguous range (both bounds are monotone).
@@ -1073,36 +1475,53 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             }
         }
         if (r_begin >= r_end) continue;  // dK/dV rows of this block stay 0
-        std::fill(w.kt.begin(), w.kt.end(), 0.f);
-        std::fill(w.vt.begin(), w.vt.end(), 0.f);
-        std::fill(w.kr.begin(), w.kr.end(), 0.f);
-        for (int j = 0; j < nk; ++j) {
-            const T* ks = static_cast<const T*>(p.k) + key_offset(p, b, kb + j, p.k_tok, p.k_block) + hk * p.k_head;
-            const T* vs = static_cast<const T*>(p.v) + key_offset(p, b, kb + j, p.v_tok, p.v_block) + hk * p.v_head;
-            for (int64_t e = 0; e < d; ++e) {
-                const float x = IO::ld(ks + e);
-                w.kt[e * BK + j] = x;
-                w.kr[j * dp + e] = x;
-            }
-            for (int64_t e = 0; e < dv; ++e) w.vt[e * BK + j] = IO::ld(vs + e);
+        // Rows in chunks of BQ_BWD from r_begin; AMX chunks start and end on multiples of 32 (the
+        // rows added see none of these keys: P = 0).
+        const int64_t c_begin = amx ? r_begin / 32 * 32 : r_begin, c_end = amx ? (r_end + 31) / 32 * 32 : r_end;
+        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk), vrows = v_rows<T>(p, b, kb, hk);
+        if (amx) {  // K^T and V^T as pairs, K as pairs of rows; dK^T, dV^T accumulate
+            pack_transposed<IO, true>(krows, nk, d, dpad / 2, w.kt2.data());
+            pack_transposed<IO, true>(vrows, nk, dv, dvpad / 2, w.vt2.data());
+            pack_rows<IO, true>(krows, nk, d, dp, w.kp2.data());
+            std::fill(w.dkT.begin(), w.dkT.end(), 0.f);
+            std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
+        } else {  // K^T, V^T and K rows (zero past nk)
+            std::fill(w.kr.begin(), w.kr.end(), 0.f);
+            pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+            pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
+            pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
+            std::fill(w.dk.begin(), w.dk.end(), 0.f);
+            std::fill(w.dv.begin(), w.dv.end(), 0.f);
         }
-        std::fill(w.dk.begin(), w.dk.end(), 0.f);
-        std::fill(w.dv.begin(), w.dv.end(), 0.f);
         for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t h = hk * group + gi;
             const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
             const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
-            for (int64_t c0 = r_begin; c0 < r_end; c0 += BQ_BWD) {
-                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, r_end - c0));
-                const int64_t base = gi * len_q + c0;  // scratch row of the chunk's first row
+            for (int64_t c0 = c_begin; c0 < c_end; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, c_end - c0));
+                const int64_t base = gi * lq + c0;  // scratch row of the chunk's first row
                 float* pb = w.p.data();
                 float* dsb = w.ds.data();
+#if JS_AMX
+                if (amx) {
+                    for (int r = 0; r < n; r += TR) {  // S = Q.K^T (unscaled), dP = dO.V^T
+                        amx_mm(4, dpad / 32, false, w.qb.data() + (base + r) * dpad, dpad * 2, 64, w.kt2.data(), BK * 4,
+                               16 * BK * 4, pb + r * BK, BK * 4);
+                        amx_mm(4, dvpad / 32, false, w.dob.data() + (base + r) * dvpad, dvpad * 2, 64, w.vt2.data(),
+                               BK * 4, 16 * BK * 4, dsb + r * BK, BK * 4);
+                    }
+                    for (int r = 0; r < n; ++r)
+                        for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
+                }
+#endif
+                if (!amx) {
 #define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
-                JS_FOR_TILES(n, JS_QK)
+                    JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
-                JS_FOR_TILES(n, JS_DP)
+                    JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
+                }
                 for (int r = 0; r < n; ++r) {
                     float* srow = pb + r * BK;
                     float* dsrow = dsb + r * BK;
@@ -1134,6 +1553,25 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         }
                     for (int j = nk; j < BK; ++j) srow[j] = dsrow[j] = 0.f;
                 }
+#if JS_AMX
+                if (amx) {  // P and dS rounded to bf16, as flash attention's bf16 backward does
+                    bf16_row_pairs(pb, n, w.pvn.data());
+                    bf16_row_pairs(dsb, n, w.dsvn.data());
+                    bf16_rows(dsb, n, w.ds16.data());
+                    for (int64_t e = 0; e < dvp; e += 16)  // dV^T += dO^T.P
+                        amx_mm(4, n / 32, true, w.doT.data() + e * rows + base, rows * 2, 64, w.pvn.data(), BK * 4,
+                               16 * BK * 4, w.dvT.data() + e * BK, BK * 4);
+                    for (int64_t e = 0; e < dp; e += 16)  // dK^T += Q^T.dS (unscaled)
+                        amx_mm(4, n / 32, true, w.qT.data() + e * rows + base, rows * 2, 64, w.dsvn.data(), BK * 4,
+                               16 * BK * 4, w.dkT.data() + e * BK, BK * 4);
+                    for (int r = 0; r < n; r += TR)  // dQ += dS.K
+                        for (int64_t c = 0; c < dp; c += 4 * W)
+                            amx_mm(static_cast<int>(std::min<int64_t>(4, (dp - c) / W)), BK / 32, true, w.ds16.data() + r * BK,
+                                   BK * 2, 64, w.kp2.data() + 2 * c, dp * 4, 16 * dp * 4, w.dq.data() + (base + r) * dp + c,
+                                   dp * 4);
+                    continue;
+                }
+#endif
                 tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
                 tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
 #define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
@@ -1141,6 +1579,12 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #undef JS_DQ
             }
         }
+#if JS_AMX
+        if (amx) {  // dK^T (scaled) and dV^T into key rows
+            transpose_into(w.dkT.data(), dp, p.scale, w.dk.data());
+            transpose_into(w.dvT.data(), dvp, 1.f, w.dv.data());
+        }
+#endif
         for (int j = 0; j < nk; ++j) {
             if (float* ak = shared ? shared->k_row(b, kb + j, hk) : nullptr) {  // a shared cache block
                 std::copy(w.dk.data() + j * dp, w.dk.data() + j * dp + d, ak);
@@ -1153,11 +1597,14 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             for (int64_t e = 0; e < dv; ++e) dvs[e] = IO::st(w.dv[j * dvp + e]);
         }
     }
+#if JS_AMX
+    if (amx) _tile_release();
+#endif
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
         for (int64_t i = 0; i < len_q; ++i) {
             T* dqs = static_cast<T*>(g.dq) + (q0 + i) * g.dq_tok + h * g.dq_head;
-            const float* src = w.dq.data() + (gi * len_q + i) * dp;
+            const float* src = w.dq.data() + (gi * lq + i) * dp;
             for (int64_t e = 0; e < d; ++e) dqs[e] = IO::st(src[e] * p.scale);
         }
     }
@@ -1223,6 +1670,15 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
 
 extern "C" int js_abi_version() { return 7; }
 
+// What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
+// (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.
+extern "C" int js_bf16_tiles() {
+#if JS_AMX
+    if (amx_ready()) return 2;
+#endif
+    return JS_BF16_DOT;
+}
+
 // The instruction sets the compiler was allowed to use here (-march), named as in /proc/cpuinfo:
 // native.py refuses to load a library whose target this CPU cannot run, and reports the list.
 extern "C" const char* js_build_isa() {
@@ -1283,6 +1739,12 @@ extern "C" const char* js_build_isa() {
 #endif
 #if defined(__AVX512FP16__)
         " avx512_fp16"
+#endif
+#if defined(__AMX_TILE__)
+        " amx_tile"
+#endif
+#if defined(__AMX_BF16__)
+        " amx_bf16"
 #endif
         ;
 }

@@ -158,7 +158,6 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         needs_grad=_needs_grad(query, key, value, *([alibi_slopes] if alibi else [])),
         return_lse=False,
         last_dim_contiguous=layout.last_dim_contiguous(q_packed, k_packed, v_packed),
-        row_stride_align=layout.row_stride_align(q_packed, k_packed, v_packed),
         equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 try:  # the NJT class: private, used only for cheap type and size reads, with public fallbacks
     from torch.nested._internal.nested_tensor import NestedTensor as NJT_CLASS
@@ -263,21 +262,6 @@ def direct_njt_works() -> bool:
         return same and direct.shape == public.shape and direct.is_contiguous() == public.is_contiguous()
     except Exception:  # any change in the private API: take the public path
         return False
-
-
-def row_stride_align(*tensors: Tensor) -> int:
-    """Largest power of two (bytes, capped at 256) dividing every pointer and non-unit stride.
-    Pointers are unknown to a ``torch.compile`` trace (and to meta tensors): there only strides
-    count, and the operator measures the real pointers again before its kernel runs."""
-    acc = 256
-    traced = torch.compiler.is_compiling()
-    for t in tensors:
-        size = t.element_size()
-        if not traced and t.device.type != "meta" and (type(t) is Tensor or not is_fake(t)):
-            acc |= t.data_ptr()
-        for s in t.stride()[:-1]:
-            acc |= s * size
-    return acc & -acc
 
 
 def last_dim_contiguous(*tensors: Tensor) -> bool:

@@ -91,7 +91,6 @@ def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Opti
         total_q=q.shape[0],
         total_k=k.shape[0] * (k.shape[1] if paged else 1),
         last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
-        row_stride_align=layout.row_stride_align(q, k, v),
         paged=paged,
         block_size=k.shape[1] if paged else 0,
         seqused_k=seqused_k is not None,

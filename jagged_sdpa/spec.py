@@ -65,7 +65,6 @@ class AttnSpec:
     needs_grad: bool = False
     return_lse: bool = False
     last_dim_contiguous: bool = True      # all of q/k/v
-    row_stride_align: int = 16            # bytes: largest power of two dividing strides and pointers
     paged: bool = False                   # keys/values live in a block-table KV cache
     block_size: int = 0                   # paged cache block size (0 when not paged)
     seqused_k: bool = False               # a seqused_k tensor limits the keys of each sequence

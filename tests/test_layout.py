@@ -36,7 +36,6 @@ def test_fused_qkv_chunks_are_strided_views():
     assert call.q.data_ptr() == buf.data_ptr()
     assert call.k.data_ptr() == buf.data_ptr() + 16 * buf.element_size()
     assert call.q.stride() == (48, 8, 1)
-    assert call.spec.row_stride_align >= 16
 
 
 def test_view_kept_when_grad_needed():

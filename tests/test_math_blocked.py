@@ -404,3 +404,13 @@ def test_long_sequence_peak_memory_is_a_few_blocks():
     assert proc.returncode == 0, proc.stderr[-2000:]
     grew = int(proc.stdout.split()[-1])
     assert grew < 64 << 20, f"peak memory grew by {grew >> 20} MiB"
+
+
+def test_bench_math_runs_a_case():
+    """``benchmarks/bench_math.py`` end to end on its smallest case (a fresh child process)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_math.py"), "medium-causal"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip()
+    assert line.startswith("medium-causal") and " ms   peak RSS +" in line and line.endswith("MiB"), line

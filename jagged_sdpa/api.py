@@ -116,7 +116,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of)
         if "value" in njts:
             v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of)
-            if stats_v.cu_host is not None and _lengths(stats_v.cu_host) != _lengths(stats_k.cu_host):
+            if stats_v.cu_host is not None and layout.host_lengths(stats_v.cu_host) != layout.host_lengths(stats_k.cu_host):
                 raise ValueError("key and value must have the same ragged structure (sequence lengths)")
         else:
             v_packed, _ = layout.njt_packed(value)
@@ -131,16 +131,7 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         equal = shared or _equal_lengths(stats_q.cu_host, stats_k.cu_host)
     spec = AttnSpec(
         entry="sdpa",
-        device_type=query.device.type,
-        capability=ops.device_capability(query.device),
-        dtype=query.dtype,
-        batch=batch,
-        heads_q=heads_q,
-        heads_kv=size_k[1],
-        head_dim=head_dim,
-        head_dim_v=size_v[-1],
-        total_q=q_packed.shape[0],
-        total_k=k_packed.shape[0],
+        **ops.tensor_fields(q_packed, k_packed, v_packed, batch, None, None),
         max_seqlen_q=stats_q.max_seqlen,
         max_seqlen_k=stats_k.max_seqlen,
         has_empty_q=stats_q.has_empty,
@@ -157,16 +148,11 @@ def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         scale=sm_scale,
         needs_grad=_needs_grad(query, key, value, *([alibi_slopes] if alibi else [])),
         return_lse=False,
-        last_dim_contiguous=layout.last_dim_contiguous(q_packed, k_packed, v_packed),
         equal_lengths=equal,
     )
     call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
                       cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None, refusal=refusal)
     return call, forced, tuple(notes)
-
-
-def _lengths(cu: tuple[int, ...]) -> list[int]:
-    return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def _equal_lengths(cu_q_host, cu_k_host) -> bool:

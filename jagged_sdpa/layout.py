@@ -82,6 +82,11 @@ def _read(tensors: tuple[Tensor, ...]) -> list[list[int]]:
     return [lists[next(i for i, u in enumerate(unique) if u is t)] for t in tensors]
 
 
+def host_lengths(cu: list[int]) -> list[int]:
+    """Sequence lengths from host-read cumulative offsets."""
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
 def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int],
                  max_name: str = "max_seqlen") -> SeqlenStats:
     """Validate host-read cumulative lengths and return their max and whether any is empty.
@@ -96,7 +101,7 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
         return SeqlenStats(None, given_max, True)
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0, got {host[0]}")
-    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
+    lengths = host_lengths(host)
     if any(n < 0 for n in lengths):
         bad = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(

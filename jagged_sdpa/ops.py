@@ -163,11 +163,11 @@ def _keeping_lse(call: PackedCall) -> PackedCall:
     return call.replace(spec=call.spec.replace(return_lse=True)) if call.spec.needs_grad else call
 
 
-def _forward(backend: str, call: PackedCall) -> tuple:
-    """The operator's real implementation, given its call: (out, lse, state list)."""
+def _forward(impl, call: PackedCall) -> tuple:
+    """The operator's real implementation, given its backend and call: (out, lse, state list)."""
     spec = call.spec
     with torch.no_grad():
-        result = _impl_of(backend).forward(_keeping_lse(call))
+        result = impl.forward(_keeping_lse(call))
     lse = result.lse
     if lse is None:
         lse = torch.empty(spec.heads_q, _lse_rows(spec), dtype=torch.float32, device=call.q.device)
@@ -176,8 +176,8 @@ def _forward(backend: str, call: PackedCall) -> tuple:
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
                options, max_seqlen_q, max_seqlen_k):
-    _impl_of(backend)  # a refused call is refused before its contents are read
-    return _forward(backend, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+    impl = _impl_of(backend)  # a refused call is refused before its contents are read
+    return _forward(impl, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                                       dropout_key, options, max_seqlen_q, max_seqlen_k))
 
 
@@ -219,10 +219,6 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, c
 _LIB.impl("attention_backward", _attention_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backward_fake, lib=_LIB)
 
-_TENSOR_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes",
-                "dropout_key")
-
-
 def _setup_context(ctx, inputs, output):
     out, lse, state = output
     ctx.save_for_backward(*inputs[:9], out, lse, *state)
@@ -261,27 +257,26 @@ def _pairs(q: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], sequ
     if any(t is not None and (t.device.type == "meta" or is_fake(t)) for t in index):
         return int(q.shape[0]) * int(max_seqlen_k)
     host = layout.read_host(*[t for t in index if t is not None])
-    lengths_q = [b - a for a, b in zip(host[0][:-1], host[0][1:])]
-    if seqused_k is not None:
-        lengths_k = host[-1]
-    else:
-        lengths_k = [b - a for a, b in zip(host[1][:-1], host[1][1:])]
-    return sum(a * b for a, b in zip(lengths_q, lengths_k))
+    lengths_k = host[-1] if seqused_k is not None else layout.host_lengths(host[1])
+    return sum(a * b for a, b in zip(layout.host_lengths(host[0]), lengths_k))
+
+
+def _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, products_d: int, products_dv: int) -> int:
+    """2 * pairs * Hq * (head dim per matmul over D, and over Dv)."""
+    pairs = _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k)
+    return 2 * q.shape[1] * pairs * (products_d * q.shape[-1] + products_dv * v.shape[-1])
 
 
 @register_flop_formula(torch.ops.jagged_sdpa.attention, get_raw=True)
-def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args, out_val=None, **_kwargs) -> int:
-    max_seqlen_k = _args[-1]
-    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
-        q.shape[-1] + v.shape[-1])
+def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *args, out_val=None, **_kwargs) -> int:
+    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args[-1], 1, 1)  # Q.K^T, P.V
 
 
 @register_flop_formula(torch.ops.jagged_sdpa.attention_backward, get_raw=True)
-def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, *_args,
+def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, *args,
                               out_val=None, **_kwargs) -> int:
-    max_seqlen_k = _args[-1]
-    return 2 * q.shape[1] * _pairs(q, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k) * (
-        3 * q.shape[-1] + 2 * v.shape[-1])
+    # Q.K^T again, dS.K, dS^T.Q over D; dO.V^T, P^T.dO over Dv
+    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args[-1], 3, 2)
 
 
 def _unobserved(call: PackedCall) -> bool:

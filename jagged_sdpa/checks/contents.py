@@ -33,10 +33,6 @@ class Lengths(NamedTuple):
     seqused_k: Optional[tuple[int, ...]]
 
 
-def _lengths(cu: tuple[int, ...]) -> list[int]:
-    return [b - a for a, b in zip(cu[:-1], cu[1:])]
-
-
 def varlen_lengths(host: list, total_q: int, k: Tensor, max_q: Optional[int], max_k: Optional[int],
                    paged: bool, has_seqused: bool) -> Lengths:
     """Validate what ``layout.read_host`` read for a varlen call: ``host`` is [cu_seqlens_q,
@@ -60,7 +56,7 @@ def varlen_lengths(host: list, total_q: int, k: Tensor, max_q: Optional[int], ma
     if not has_seqused:
         return Lengths(stats_q, stats_k, stats_k.cu_host, None)
     used = tuple(host[2])
-    return Lengths(stats_q, layout.lengths_stats("seqused_k", used, _lengths(stats_k.cu_host), max_k), stats_k.cu_host,
+    return Lengths(stats_q, layout.lengths_stats("seqused_k", used, layout.host_lengths(stats_k.cu_host), max_k), stats_k.cu_host,
                    used)
 
 

@@ -7,6 +7,7 @@ from jagged_sdpa.api import explain, sdpa, varlen_attention
 from jagged_sdpa.backends import Backend
 from jagged_sdpa.errors import NoBackendError
 from jagged_sdpa.paging import paged_append
+from jagged_sdpa.plans import Plan, plan
 from jagged_sdpa.selection import Explanation, use_backends
 
 __version__ = "0.1.0"
@@ -15,6 +16,8 @@ __all__ = [
     "sdpa",
     "varlen_attention",
     "explain",
+    "plan",
+    "Plan",
     "paged_append",
     "Backend",
     "use_backends",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 import sys
 import time
@@ -18,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import jagged_sdpa
+from jagged_sdpa import batch as batches
+from jagged_sdpa import options as opts
+from jagged_sdpa import plans
 from jagged_sdpa.backends import Backend
 from jagged_sdpa.selection import select
 from jagged_sdpa.spec import AttnSpec
@@ -130,33 +132,23 @@ def spec_from_args(args) -> AttnSpec:
         capability = (int(major), int(minor))
     elif device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
-    window = args.window if args.window else (-1, -1)
-    return AttnSpec(
-        entry="sdpa",
-        device_type=device.type,
-        capability=capability,
-        dtype=DTYPES[args.dtype],
-        batch=len(lengths),
-        heads_q=args.heads,
-        heads_kv=kv_heads,
-        head_dim=args.head_dim,
-        head_dim_v=args.head_dim_v or args.head_dim,
-        total_q=sum(lengths),
-        total_k=sum(kv_lengths),
-        max_seqlen_q=max(lengths, default=0),
-        max_seqlen_k=max(kv_lengths, default=0),
-        has_empty_q=0 in lengths,
-        has_empty_k=0 in kv_lengths,
-        lengths_known=True,
-        causal=args.causal,
-        alignment="bottom_right" if args.bottom_right else "top_left",
-        window=window,
-        softcap=args.softcap or 0.0,
-        alibi="per_head" if args.alibi else None,
-        dropout_p=args.dropout,
-        scale=1.0 / math.sqrt(args.head_dim),
-        needs_grad=args.requires_grad,
-    )
+    window = tuple(args.window) if args.window else (-1, -1)
+    # The spec the call itself would build (``plans.spec_of``: Lq == Lk, the effective window, ...),
+    # over meta tensors of the call's shapes, then placed on the device described.
+    meta = dict(device="meta", dtype=DTYPES[args.dtype])
+    head_dim_v = args.head_dim_v or args.head_dim
+    q = torch.empty(sum(lengths), args.heads, args.head_dim, **meta)
+    k = torch.empty(sum(kv_lengths), kv_heads, args.head_dim, **meta)
+    v = torch.empty(sum(kv_lengths), kv_heads, head_dim_v, **meta)
+    cu = lambda ls: torch.tensor([0] + [sum(ls[:i + 1]) for i in range(len(ls))], dtype=torch.int32)
+    cu_q = cu(lengths)
+    cu_k = cu_q if args.kv_lengths is None else cu(kv_lengths)
+    batch = batches.build(cu_q, cu_k, None, None, read=True, names=batches.SDPA_NAMES)
+    options = opts.sdpa(args.dropout, args.causal, None, "bottom_right" if args.bottom_right else "top_left",
+                        window, args.softcap)
+    alibi = "per_head" if args.alibi else None
+    spec = plans.spec_of(batch, options, q, k, v, alibi, False, args.requires_grad)
+    return spec.replace(device_type=device.type, capability=capability)
 
 
 def cmd_explain(args) -> int:

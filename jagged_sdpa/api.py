@@ -1,6 +1,6 @@
-"""The public functions: validate -> host read -> spec -> select -> run -> unpack.
-
-Argument normalisation and the order of operations live here; no backend-specific rule does.
+"""The public functions ``sdpa``, ``varlen_attention`` and ``explain``: each finds its call's plan
+(``plans.Plan``, over the batch of its metadata tensors, validated once while they are unchanged)
+and runs or explains it. NJT unwrapping lives here; no backend-specific rule does.
 """
 
 from __future__ import annotations
@@ -10,175 +10,87 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from jagged_sdpa import batch as batches
 from jagged_sdpa import layout
-from jagged_sdpa import ops
-from jagged_sdpa.backends import Backend, keyed_dropout
+from jagged_sdpa import options as opts
+from jagged_sdpa import plans
 from jagged_sdpa.checks import inputs
-from jagged_sdpa.checks import contents
-from jagged_sdpa.selection import Explanation, choose, select, to_backend, with_notes
-from jagged_sdpa.spec import AttnSpec, PackedCall
-
-
-def _forced(backend) -> Optional[Backend]:
-    return None if backend is None else to_backend(backend)
-
-
-def _host_read(max_q: Optional[int], max_k: Optional[int], device: torch.device, why: Optional[str] = None) -> bool:
-    """Whether this call reads its lengths on the host now (``layout.host_read_needed``, or ``why``
-    one is needed). Inside ``torch.compile`` nothing is read (a read is data the trace cannot
-    see: the operator checks the contents when it runs); a call that cannot do without one is
-    refused (``_missing_max``)."""
-    if not torch.compiler.is_compiling():
-        return why is not None or layout.host_read_needed(device, max_q, max_k)
-    if why is not None:
-        raise ValueError(f"{why} need a host read of the offsets, which torch.compile cannot trace: call it "
-                         f"outside the compiled region")
-    return False
-
-
-def _missing_max(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[int]) -> Optional[str]:
-    """Under ``torch.compile``, the refusal of a call whose max lengths are unknown, else None.
-    Raised when the operator runs (``PackedCall.refusal``), so the user gets this ValueError
-    itself, with or without ``fullgraph``, where raising while tracing would reach them wrapped in
-    Dynamo's error or, without ``fullgraph``, break the graph and run the call eagerly."""
-    missing = [name for name, m in ((name_q, max_q), (name_k, max_k)) if m is None]
-    if not missing or not torch.compiler.is_compiling():
-        return None
-    return (f"under torch.compile the maximum sequence lengths must be known without reading tensor data: pass "
-            f"{' and '.join(missing)} (ints)" + (" (NJTs built by torch.nested carry it)" if "cached" in missing[0]
-                                                 else ""))
-
-
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+from jagged_sdpa.selection import Explanation
 
 
 # ----------------------------------------------------------------------------------------------
 # sdpa
 
 
-def _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                  causal_alignment, window_size, softcap, alibi_slopes, backend):
-    """Validate an sdpa call and build its PackedCall; returns (call, forced, notes)."""
+def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+               window_size, softcap, backend):
+    """Validate an sdpa call; returns its plan and the packed q, k, v (views of the NJTs' buffers)."""
     inputs.validate_attn_mask(attn_mask)
-    size_q, size_k, size_v = inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
-    inputs.validate_bool("is_causal", is_causal)
-    forced = _forced(backend)
-    alignment = inputs.validate_alignment(causal_alignment)
-    window = inputs.validate_window(window_size)
-    cap = inputs.validate_softcap(softcap, zero_means_off=False)
-    p = inputs.validate_dropout(dropout_p)
-    batch, heads_q, _, head_dim = size_q
-    sm_scale = inputs.validate_scale("scale", scale, head_dim)
-    alibi = inputs.validate_alibi(alibi_slopes, heads_q, batch, query.device)
-
-    p, drop_notes = inputs.dropout_to_run(p)
-    notes = list(drop_notes)
+    size_q, size_k, _ = inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
+    options = opts.sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend)
     kv_dense = not key.is_nested
-    # Every offsets/lengths tensor of the call, read on the host in one transfer (or not at all);
-    # read_host reads a tensor shared by several arguments (self-attention) once.
-    njts = {"query": query}
-    if not kv_dense:
-        njts["key"] = key
-        if value.offsets() is not key.offsets() or value.lengths() is not None:
-            njts["value"] = value
+    given_q = layout.njt_cached_max_seqlen(query)
+    given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
+    if query.lengths() is not None or not kv_dense and (
+            key.lengths() is not None or value.lengths() is not None or value.offsets() is not key.offsets()):
+        return _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options)
+    q_packed, _ = layout.njt_packed(query)
+    notes = ()
+    if kv_dense:
+        k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
+        if size_k[1] > 1:
+            notes = ("dense key/value copied into packed (B*S, Hkv, D) buffers",)
+    else:
+        (k_packed, _), (v_packed, _) = layout.njt_packed(key), layout.njt_packed(value)
+    offsets_q, offsets_k = query.offsets(), None if kv_dense else key.offsets()
+    refusal = plans.missing_max("query's cached max seqlen", given_q, "key's cached max seqlen", given_k)
+    if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
+        b = batches.build(offsets_q, offsets_k, q_packed.shape[0] if given_q is None else given_q,
+                          k_packed.shape[0] if given_k is None else given_k, read=False, names=batches.SDPA_NAMES,
+                          kv_dense=kv_dense)
+    else:
+        b = batches.cached(offsets_q, offsets_k, given_q, given_k, read=plans.host_read(query.device, given_q, given_k),
+                           names=batches.SDPA_NAMES, kv_dense=kv_dense)
+    return plans.for_call(b, options, refusal, notes), q_packed, k_packed, v_packed
+
+
+def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options):
+    """An sdpa call whose structure needs a host read: NJTs with holes (``lengths()``, gathered
+    into packed copies) or a value with offsets of its own (compared to key's)."""
+    has_holes = query.lengths() is not None or key.lengths() is not None or value.lengths() is not None
+    plans.host_read(query.device, given_q, given_k, "NJTs with holes (lengths())" if has_holes else
+                    "value with offsets other than key's")
+    njts = {"query": query} if kv_dense else {"query": query, "key": key, "value": value}
     tensors, slots = [], {}
     for name, njt in njts.items():
         parts = (njt.offsets(),) if njt.lengths() is None else (njt.offsets(), njt.lengths())
         slots[name] = range(len(tensors), len(tensors) + len(parts))
         tensors += parts
-    given_q = layout.njt_cached_max_seqlen(query)
-    given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
-    has_holes = any(len(slot) == 2 for slot in slots.values())
-    # Holes are gathered, and a value with offsets of its own compared to key's, from a host read.
-    why_read = ("NJTs with holes (lengths())" if has_holes else
-                "value with offsets other than key's" if "value" in njts else None)
-    read = _host_read(given_q, given_k, query.device, why_read)
-    refusal = _missing_max("query's cached max seqlen", given_q, "key's cached max seqlen", given_k)
-    host = layout.read_host(*tensors) if read else None
-
-    def host_of(name):
-        if host is None:
-            return None, None
+    host = layout.read_host(*tensors)
+    notes, packed, cu = [], {}, {}
+    for name, njt in njts.items():
         slot = slots[name]
-        return host[slot[0]], (host[slot[1]] if len(slot) == 2 else None)
-
-    cu_of = {}  # int32 cu_seqlens and validated stats per offsets, for arguments that share them
-    q_packed, stats_q, cu_q = _njt_side("query", query, *host_of("query"), given_q, notes, cu_of)
+        packed[name], cu[name] = _njt_side(name, njt, host[slot[0]], host[slot[1]] if len(slot) == 2 else None,
+                                           notes)
     if kv_dense:
-        seq_k = size_k[2]
         k_packed, v_packed = layout.dense_kv_packed(key), layout.dense_kv_packed(value)
-        if size_k[1] > 1:
-            notes.append("dense key/value copied into packed (B*S, Hkv, D) buffers")
-        cu_k = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_k
-        stats_k = layout.SeqlenStats(tuple(b * seq_k for b in range(batch + 1)), seq_k, seq_k == 0 and batch > 0)
+        cu_k = None
     else:
-        k_packed, stats_k, cu_k = _njt_side("key", key, *host_of("key"), given_k, notes, cu_of)
-        if "value" in njts:
-            v_packed, stats_v, _ = _njt_side("value", value, *host_of("value"), given_k, notes, cu_of)
-            if stats_v.cu_host is not None and layout.host_lengths(stats_v.cu_host) != layout.host_lengths(stats_k.cu_host):
-                raise ValueError("key and value must have the same ragged structure (sequence lengths)")
-        else:
-            v_packed, _ = layout.njt_packed(value)
-    if refusal is not None:  # upper bounds to trace with; the operator refuses the call when it runs
-        stats_q = layout.SeqlenStats(None, q_packed.shape[0], True)
-        stats_k = layout.SeqlenStats(None, k_packed.shape[0], True)
-    if kv_dense:
-        # Every Lq <= max_seqlen_q == S and they sum to B * S: all equal S, no read needed.
-        equal = stats_q.max_seqlen == seq_k and q_packed.shape[0] == batch * seq_k
-    else:
-        shared = key.offsets() is query.offsets() and key.lengths() is None and query.lengths() is None
-        equal = shared or _equal_lengths(stats_q.cu_host, stats_k.cu_host)
-    spec = AttnSpec(
-        entry="sdpa",
-        **ops.tensor_fields(q_packed, k_packed, v_packed, batch, None, None),
-        max_seqlen_q=stats_q.max_seqlen,
-        max_seqlen_k=stats_k.max_seqlen,
-        has_empty_q=stats_q.has_empty,
-        has_empty_k=stats_k.has_empty,
-        lengths_known=read,
-        kv_dense=kv_dense,
-        causal=is_causal,
-        alignment=alignment,
-        window=inputs.effective_window(window, stats_q.max_seqlen, stats_k.max_seqlen),
-        softcap=cap,
-        alibi=alibi,
-        alibi_grad=alibi is not None and _needs_grad(alibi_slopes),
-        dropout_p=p,
-        scale=sm_scale,
-        needs_grad=_needs_grad(query, key, value, *([alibi_slopes] if alibi else [])),
-        return_lse=False,
-        equal_lengths=equal,
-    )
-    call = PackedCall(q_packed, k_packed, v_packed, cu_q, cu_k, spec, alibi_slopes,
-                      cu_q_host=stats_q.cu_host, cu_k_host=stats_k.cu_host if read else None, refusal=refusal)
-    return call, forced, tuple(notes)
+        if layout.host_lengths(cu["value"][1]) != layout.host_lengths(cu["key"][1]):
+            raise ValueError("key and value must have the same ragged structure (sequence lengths)")
+        k_packed, v_packed, cu_k = packed["key"], packed["value"], cu["key"][0]
+    host_cu = [cu["query"][1]] + ([] if kv_dense else [cu["key"][1]])
+    b = batches.build(cu["query"][0], cu_k, given_q, given_k, read=True, names=batches.SDPA_NAMES, kv_dense=kv_dense,
+                      host=host_cu)
+    return plans.for_call(b, options, None, tuple(notes)), packed["query"], k_packed, v_packed
 
 
-def _equal_lengths(cu_q_host, cu_k_host) -> bool:
-    """Whether host-read lengths show Lq == Lk for every sequence (False when not read): the
-    fact that makes top-left and bottom-right alignment coincide."""
-    return cu_q_host is not None and cu_k_host is not None and tuple(cu_q_host) == tuple(cu_k_host)
-
-
-def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
-    """Packed buffer, validated stats and int32 cu_seqlens of one NJT argument."""
+def _njt_side(name, njt, offsets_host, lengths_host, notes):
+    """Packed buffer of one NJT argument, and its int32 cu_seqlens (device, host); an NJT with
+    holes is gathered: sequence b is values[offsets[b] : offsets[b] + lengths[b]]."""
     if lengths_host is None:
         packed, _ = layout.njt_packed(njt)
-        # Offsets read for an argument before (shared with it) are validated once.
-        key = (id(offsets_host), packed.shape[0], given_max) if offsets_host is not None else None
-        stats = cu_of.get(key) if key is not None else None
-        if stats is None:
-            stats = layout.seqlen_stats(f"{name}.offsets()", offsets_host, packed.shape[0], given_max,
-                                        f"{name}'s cached max seqlen")
-            if key is not None:
-                cu_of[key] = stats
-        offsets = njt.offsets()
-        cu = cu_of.get(id(offsets))
-        if cu is None:
-            cu = cu_of[id(offsets)] = layout.njt_cu_seqlens(njt)
-        return packed, stats, cu
-    # An NJT with holes: each sequence b is values[offsets[b] : offsets[b] + lengths[b]].
+        return packed, (njt.offsets().to(torch.int32), offsets_host)
     n_values = njt.transpose(1, 2).values().shape[0] if njt.requires_grad else njt._values.shape[1]
     for b, (o, n) in enumerate(zip(offsets_host, lengths_host)):
         if o < 0 or n < 0 or o + n > n_values:
@@ -188,8 +100,7 @@ def _njt_side(name, njt, offsets_host, lengths_host, given_max, notes, cu_of):
     cu = [0]
     for n in lengths_host:
         cu.append(cu[-1] + n)
-    stats = layout.seqlen_stats(f"{name} lengths", cu, packed.shape[0], None)
-    return packed, stats, layout.njt_cu_seqlens(njt, tuple(cu))
+    return packed, (layout.njt_cu_seqlens(njt, tuple(cu)), cu)
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -231,85 +142,36 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     # reach their real implementation through __torch_dispatch__.
     with torch._C.DisableTorchFunctionSubclass():
         inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
-        call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            causal_alignment, window_size, softcap, alibi_slopes, backend)
-    call = _with_dropout_key(call)
-    chosen = choose(call.spec, forced, notes) if call.refusal is None else None
-    out = _dropped(ops.run(chosen, call).out, dropout_p)
+        plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   causal_alignment, window_size, softcap, backend)
+    out = plan._run(q, k, v, alibi_slopes, validated=True).out
     with torch._C.DisableTorchFunctionSubclass():
-        return layout.packed_to_njt(out, query, call.cu_seqlens_q, call.spec.max_seqlen_q)
-
-
-def _with_dropout_key(call: PackedCall) -> PackedCall:
-    """The call with its dropout key (``keyed_dropout.draw_key``) when it runs with dropout. Drawn
-    here, by the calls that run, so that ``explain`` leaves the default generator untouched."""
-    return call.replace(dropout_key=keyed_dropout.draw_key()) if call.spec.dropout_p else call
-
-
-def _dropped(out: Tensor, dropout_p) -> Tensor:
-    """The output of a call whose dropout drops everything (``inputs.drops_everything``)."""
-    return out * 0 if inputs.drops_everything(dropout_p) else out
+        return layout.packed_to_njt(out, query, plan._batch.cu_seqlens_q, plan._batch.max_seqlen_q)
 
 
 # ----------------------------------------------------------------------------------------------
 # varlen
 
 
-def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, window_size, softcap, alibi_slopes, return_lse, block_table, seqused_k, backend):
-    """Validate a varlen_attention call and build its PackedCall; returns (call, forced, notes)."""
-    inputs.validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
-    inputs.validate_bool("causal", causal)
-    inputs.validate_bool("return_lse", return_lse)
-    forced = _forced(backend)
+def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                 window_size, softcap, return_lse, block_table, seqused_k, backend) -> plans.Plan:
+    """The plan of a varlen_attention call: its batch validated (once for the same metadata)."""
+    inputs.validate_tensor("q", q)
+    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
-    window = inputs.validate_window(window_size)
-    cap = inputs.validate_softcap(softcap, zero_means_off=True)
-    p, notes = inputs.dropout_to_run(inputs.validate_dropout(dropout_p))
-    sm_scale = inputs.validate_scale("softmax_scale", softmax_scale, q.shape[-1])
-    batch = cu_seqlens_q.shape[0] - 1
-    alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], batch, q.device)
-    paged = block_table is not None
-
-    read = _host_read(max_q, max_k, q.device)
-    refusal = _missing_max("max_seqlen_q", max_q, "max_seqlen_k", max_k)
-    if refusal is not None:  # upper bounds to trace with; the operator refuses the call when it runs
-        max_q = q.shape[0] if max_q is None else max_q
-        max_k = (k.shape[0] * (k.shape[1] if paged else 1)) if max_k is None else max_k
-    if read:
-        to_read = [cu_seqlens_q] + ([block_table, seqused_k] if paged else
-                                    [cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []))
-        found = contents.varlen_lengths(layout.read_host(*to_read), q.shape[0], k, max_q, max_k, paged,
-                                        seqused_k is not None)
-        stats_q, stats_k, cu_k_host, seqused_host = found
-    else:  # checked when the operator runs (checks.contents)
-        stats_q = layout.SeqlenStats(None, max_q, True)
-        stats_k = layout.SeqlenStats(None, max_k, True)
-        cu_k_host = seqused_host = None
-    spec = AttnSpec(
-        entry="varlen",
-        **ops.tensor_fields(q, k, v, batch, block_table, seqused_k),
-        max_seqlen_q=stats_q.max_seqlen,
-        max_seqlen_k=stats_k.max_seqlen,
-        has_empty_q=stats_q.has_empty,
-        has_empty_k=stats_k.has_empty,
-        lengths_known=read,
-        causal=causal,
-        alignment="bottom_right",
-        window=inputs.effective_window(window, stats_q.max_seqlen, stats_k.max_seqlen),
-        softcap=cap,
-        alibi=alibi,
-        alibi_grad=alibi is not None and _needs_grad(alibi_slopes),
-        dropout_p=p,
-        scale=sm_scale,
-        needs_grad=_needs_grad(q, k, v, *([alibi_slopes] if alibi else [])),
-        return_lse=return_lse,
-        equal_lengths=_equal_lengths(stats_q.cu_host, stats_k.cu_host) or (cu_seqlens_k is cu_seqlens_q and seqused_k is None),
-    )
-    call = PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      cu_q_host=stats_q.cu_host, cu_k_host=cu_k_host, seqused_k_host=seqused_host, refusal=refusal)
-    return call, forced, notes
+    if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
+        refusal = plans.missing_max("max_seqlen_q", max_q, "max_seqlen_k", max_k)
+        if refusal is not None:
+            inputs.validate_tensor("k", k)
+            max_q = q.shape[0] if max_q is None else max_q
+            max_k = (k.shape[0] * (k.shape[1] if block_table is not None else 1)) if max_k is None else max_k
+        b = batches.build(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
+                          read=False)
+        return plans.for_call(b, options, refusal)
+    b = batches.cached(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
+                       read=plans.host_read(q.device, max_q, max_k))
+    return plans.for_call(b, options)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
@@ -344,14 +206,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         block ids out of range. NoBackendError: no backend (or the forced one) can take the call.
     """
     inputs.validate_not_meta("q", q)  # k/v on another device: the device checks say so
-    call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                          return_lse, block_table, seqused_k, backend)
-    call = _with_dropout_key(call)
-    chosen = choose(call.spec, forced, notes) if call.refusal is None else None
-    result = ops.run(chosen, call)
-    out = _dropped(result.out, dropout_p)
-    return (out, result.lse) if return_lse else out
+    plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend)
+    result = plan._run(q, k, v, alibi_slopes, validated=False)
+    return (result.out, result.lse) if return_lse else result.out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,16 +247,15 @@ def explain(*args, **kwargs) -> Explanation:
 
 def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                   *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
-    call, forced, notes = _prepare_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                        causal_alignment, window_size, softcap, alibi_slopes, backend)
-    return with_notes(select(call.spec, forced), notes)
+    with torch._C.DisableTorchFunctionSubclass():
+        plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   causal_alignment, window_size, softcap, backend)
+        return plan._explain(q, k, v, alibi_slopes, validated=True)
 
 
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     return_lse=False, block_table=None, seqused_k=None, backend=None):
-    call, forced, notes = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                          return_lse, block_table, seqused_k, backend)
-    return with_notes(select(call.spec, forced), notes)
-
+    plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend)
+    return plan._explain(q, k, v, alibi_slopes, validated=False)

@@ -87,13 +87,13 @@ def host_lengths(cu: list[int]) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
-def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Optional[int],
+def seqlen_stats(name: str, host: Optional[list[int]], total: Optional[int], given_max: Optional[int],
                  max_name: str = "max_seqlen") -> SeqlenStats:
     """Validate host-read cumulative lengths and return their max and whether any is empty.
 
     ``host`` comes from ``read_host`` (None when no read happened: ``given_max`` is then taken as
     the max, emptiness is assumed possible, and ``checks.device`` queues the same checks). Contents must start at 0, never decrease and end at
-    ``total``, and ``given_max`` may not be smaller than the real longest sequence: ValueError
+    ``total`` (unless None: ``batch.Batch.bind`` checks it against the layer's tensors), and ``given_max`` may not be smaller than the real longest sequence: ValueError
     otherwise (naming ``max_name``, the argument the caller gave it as), because a kernel must
     never see such offsets.
     """
@@ -107,7 +107,7 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
         raise ValueError(
             f"{name} must be non-decreasing, but entry {bad + 1} ({host[bad + 1]}) < entry {bad} ({host[bad]})"
         )
-    if host[-1] != total:
+    if total is not None and host[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
     real_max = max(lengths, default=0)
     if given_max is not None and given_max < real_max:
@@ -115,8 +115,10 @@ def seqlen_stats(name: str, host: Optional[list[int]], total: int, given_max: Op
     return SeqlenStats(tuple(host), real_max if given_max is None else int(given_max), any(n == 0 for n in lengths))
 
 
-def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], given_max: Optional[int]) -> SeqlenStats:
-    """Like ``seqlen_stats`` for per-sequence lengths (``seqused_k``), each at most ``capacity[b]``.
+def lengths_stats(name: str, host: Optional[list[int]], capacity: Optional[list[int]],
+                  given_max: Optional[int]) -> SeqlenStats:
+    """Like ``seqlen_stats`` for per-sequence lengths (``seqused_k``), each at most ``capacity[b]``
+    (unless None: a paged cache's capacity is checked when its geometry is known).
 
     ``cu_host`` of the result holds the cumulative sums of the lengths.
     """
@@ -125,7 +127,7 @@ def lengths_stats(name: str, host: Optional[list[int]], capacity: list[int], giv
     for b, n in enumerate(host):
         if n < 0:
             raise ValueError(f"{name}[{b}] must be >= 0, got {n}")
-        if n > capacity[b]:
+        if capacity is not None and n > capacity[b]:
             raise ValueError(f"{name}[{b}] = {n} exceeds that sequence's capacity {capacity[b]}")
     real_max = max(host, default=0)
     if given_max is not None and given_max < real_max:

@@ -3,17 +3,18 @@
 
 Why operators: ``torch.compile`` treats them as opaque nodes with fake (shape-only)
 implementations and a registered backward, so a model calling ``sdpa``/``varlen_attention``
-compiles without graph breaks, and the profiler shows them by name. The public functions are thin
-wrappers: they check shapes and options, build the tensor-free ``AttnSpec``, select a backend
-(at trace time under compile), and call the operator. What needs tensor *data* (reading
-cu_seqlens on the host, the device-side checks, the kernels) happens inside the operator, when it
-runs (``checks.contents``).
+compiles without graph breaks, and the profiler shows them by name. The public functions and
+plans (``plans.py``) check shapes and options, build the tensor-free ``AttnSpec``, select a backend
+(at trace time under compile) and call ``run``. What needs tensor *data* of a traced call (reading
+cu_seqlens on the host, the device-side checks) happens inside the operator, when it runs
+(``_call_of``, through ``batch.cached``: found again, not redone, for tensors an eager wrapper
+validated).
 
 The operator's arguments are the call's tensors, the chosen backend's name, the options that
 cannot be read off the tensors (one ``options`` string, a constant in a compiled graph) and the
 two max lengths (``SymInt``: under dynamic shapes they stay symbolic). The spec is rebuilt from
-them; an eager call hands its own ``PackedCall`` over instead (``_handover``: same tensors, so the
-same spec), which saves rebuilding it and reading lengths twice.
+them. A call nothing can observe skips the dispatcher and runs the same implementations directly
+(``unobserved``).
 
 A backend's ``state`` (what its backward needs beyond q/k/v/out/lse, e.g. a CUDA kernel's RNG
 state) crosses the operator as a list of tensors.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import threading
 from typing import Optional
 
 import torch
@@ -31,9 +31,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import register_flop_formula
 
+from jagged_sdpa import batch as batches
 from jagged_sdpa import layout, paging
 from jagged_sdpa.backends import IMPLS, Backend
-from jagged_sdpa.checks import contents
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
@@ -109,24 +109,25 @@ def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, 
 
 
 # ----------------------------------------------------------------------------------------------
-# eager handover: the wrapper's PackedCall, taken by the operator when its tensors are the same
-
-_handover = threading.local()
+# the call of an operator run: its batch validated (``batch.cached``: once for the same tensors)
 
 
 def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
              max_q, max_k) -> PackedCall:
-    call = getattr(_handover, "call", None)
-    if call is not None:
-        _handover.call = None
-        _handover.taken = call
-        if (call.q is q and call.k is k and call.v is v and call.cu_seqlens_q is cu_seqlens_q
-                and call.cu_seqlens_k is cu_seqlens_k and call.seqused_k is seqused_k
-                and call.block_table is block_table and call.alibi_slopes is alibi_slopes
-                and call.dropout_key is dropout_key):
-            return call
-    return contents.check(_rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                   dropout_key, options, max_q, max_k))
+    """The call the operator runs, its contents checked: read on the CPU (found again when the
+    wrapper read the same tensors), else queued as device-side asserts."""
+    call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
+                    max_q, max_k)
+    spec = call.spec
+    b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
+                       block_table=block_table, seqused_k=seqused_k, read=q.device.type == "cpu",
+                       names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
+                       kv_dense=spec.kv_dense)
+    b.bind(q.shape[0], k)
+    if not b.lengths_known:
+        return call
+    return call.replace(cu_q_host=b.cu_q_host, cu_k_host=b.cu_k_host, seqused_k_host=b.seqused_host,
+                        spec=spec.replace(lengths_known=True))
 
 
 def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
@@ -158,9 +159,14 @@ def _lse_rows(spec: AttnSpec) -> int:
     return spec.total_q if (spec.return_lse or spec.needs_grad) else 0
 
 
-def _keeping_lse(call: PackedCall) -> PackedCall:
+def keeping_lse_spec(spec: AttnSpec) -> AttnSpec:
     """A call that needs a gradient asks its backend for the lse, which the backward reads."""
-    return call.replace(spec=call.spec.replace(return_lse=True)) if call.spec.needs_grad else call
+    return spec.replace(return_lse=True) if spec.needs_grad and not spec.return_lse else spec
+
+
+def _keeping_lse(call: PackedCall) -> PackedCall:
+    spec = keeping_lse_spec(call.spec)
+    return call if spec is call.spec else call.replace(spec=spec)
 
 
 def _forward(impl, call: PackedCall) -> tuple:
@@ -224,16 +230,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:9], out, lse, *state)
     ctx.scalars = inputs[9:]
     ctx.mark_non_differentiable(lse)
-    # Eager: the forward's checked call (host lengths included) is handed to the backward too.
-    ctx.call = getattr(_handover, "taken", None)
-    _handover.taken = None
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_state):
     q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, out, lse, *state = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    _handover.call = ctx.call
     grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, seqused_k,
                                                      block_table, slopes, dropout_key, *ctx.scalars)
     dslopes = grads[3] if len(grads) > 3 else None
@@ -279,7 +281,7 @@ def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, 
     return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args[-1], 3, 2)
 
 
-def _unobserved(call: PackedCall) -> bool:
+def unobserved(call: PackedCall) -> bool:
     """Whether nothing could see the operator run: eager, plain tensors, no dispatch or function
     mode, no profiler. Such a call runs the operator's implementations directly (the same
     functions, the same results), which saves the dispatcher's round trip into Python (~10 us of a
@@ -305,34 +307,37 @@ class _UnobservedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, *state = ctx.saved_tensors
-        grads = ctx.impl.backward(ctx.call.replace(q=q, k=k, v=v), out, lse, grad_out.contiguous(), tuple(state))
+        call = ctx.call
+        if not (q is call.q and k is call.k and v is call.v):
+            call = call.replace(q=q, k=k, v=v)
+        grads = ctx.impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
         return None, None, grads[0], grads[1], grads[2], grads[3] if len(grads) > 3 else None
 
 
-def run(backend: Optional[Backend], call: PackedCall) -> AttnOutput:
+def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput:
     """Run ``call`` on ``backend`` through the operator: (out, lse or None). A call with a
-    ``refusal`` (and no backend) is traced all the same and raises it when the operator runs."""
+    ``refusal`` (and no backend) is traced all the same and raises it when the operator runs.
+    ``runner``: the backend's ``forward_runner`` for calls of this kind (a plan's), used where
+    the call would run the backend's forward directly."""
     spec = call.spec
-    if call.refusal is None and _unobserved(call):
+    if call.refusal is None and unobserved(call):
+        if runner is not None and not spec.needs_grad:
+            return runner(call)
         if spec.needs_grad:
             out, lse = _UnobservedAttention.apply(IMPLS[backend], call, call.q, call.k, call.v, call.alibi_slopes)
             return AttnOutput(out, lse if spec.return_lse else None)
         result = IMPLS[backend].forward(call)  # what ``_forward`` does, without the lse it must return
         return result if spec.return_lse or result.lse is None else AttnOutput(result.out, None)
     compiling = torch.compiler.is_compiling()
-    _handover.call = None if compiling else call
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
             call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
             options_of(spec), spec.max_seqlen_q,
             spec.max_seqlen_k)
-    try:
-        if spec.needs_grad or compiling:
-            out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
-        else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)
-            with torch._C._AutoDispatchBelowAutograd():
-                out, lse, _ = torch.ops.jagged_sdpa.attention.default(*args)
-    finally:
-        _handover.call = None
+    if spec.needs_grad or compiling:
+        out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
+    else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse, _ = torch.ops.jagged_sdpa.attention.default(*args)
     return AttnOutput(out, lse if spec.return_lse else None)
 
 

@@ -20,6 +20,8 @@ import math
 import pytest
 import torch
 
+import calls
+
 from cases import cu_of, in_nan_buffer
 from reference import attention_reference, keep_mask
 from tolerances import assert_close_packed
@@ -330,7 +332,7 @@ def varlen_call(lengths_q, lengths_k, heads_q, heads_kv, dim, dim_v=None, dtype=
     v = make(torch.randn(sum(lengths_k), heads_kv, dim_v).to(dtype)).requires_grad_(requires_grad)
     cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
     return_lse = options.pop("return_lse", True)
-    call, _, _ = api._prepare_varlen(
+    call, _, _ = calls.prepare_varlen(
         q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), options.pop("dropout_p", 0.0), None,
         options.pop("causal", False), options.pop("window_size", (-1, -1)), 0.0, options.pop("alibi_slopes", None),
         return_lse, None, options.pop("seqused_k", None), None)
@@ -413,7 +415,7 @@ def test_flash_paged_forward(fake_flash):
     used = torch.tensor([300, 7], dtype=torch.int32)
     q = torch.randn(3, heads, dim, dtype=torch.float16)
     cu_q = cu_of([2, 1])
-    call, _, _ = api._prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, 300, 0.0, None, True, (-1, -1), 0.0, None,
+    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, 300, 0.0, None, True, (-1, -1), 0.0, None,
                                      True, block_table, used, None)
     call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
     result = run(Backend.FLASH_VARLEN, call)
@@ -622,7 +624,7 @@ def test_cuda_no_host_sync_when_max_lengths_are_given(backend):
 
 
 def sdpa_call(query, key, value, **options):
-    call, _, _ = api._prepare_sdpa(query, key, value, None, 0.0, options.pop("is_causal", False), None,
+    call, _, _ = calls.prepare_sdpa(query, key, value, None, 0.0, options.pop("is_causal", False), None,
                                    options.pop("enable_gqa", False), options.pop("causal_alignment", "top_left"),
                                    None, None, None, None)
     assert not options

@@ -338,7 +338,7 @@ def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
     from jagged_sdpa.backends.triton.plans import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
-    from jagged_sdpa.api import _prepare_varlen
+    from calls import prepare_varlen as _prepare_varlen
 
     lens_q, lens_k, hq, hkv, d = [2, 0, 3], [150, 40, 300], 3, 1, 16
     q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, 24, torch.float32)

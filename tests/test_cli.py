@@ -32,6 +32,24 @@ def test_explain_forced_backend_and_options(capsys):
     assert "window=(4, 0)" in text and "softcap=2" in text and "chosen: math" in text
 
 
+def test_explain_builds_the_spec_the_call_builds():
+    """Issue 21 item 3: the CLI's spec is the call's (one builder): self-attention knows Lq == Lk
+    (FLASH_VARLEN takes top-left causal then), and a window past every key is unbounded."""
+    from jagged_sdpa.__main__ import build_parser, spec_from_args
+
+    args = build_parser().parse_args(["explain", "--lengths", "5,17,300", "--device", "cuda", "--capability", "9.0",
+                                      "--causal", "--window", "1000,0"])
+    spec = spec_from_args(args)
+    assert spec.equal_lengths and spec.window == (-1, 0) and spec.device_type == "cuda"
+    assert spec.capability == (9, 0) and spec.max_seqlen_q == 300
+    from jagged_sdpa.backends import IMPLS, Backend
+
+    assert not any("top_left" in r for r in IMPLS[Backend.FLASH_VARLEN].extra_reasons(spec))
+    assert any("top_left" in r for r in IMPLS[Backend.FLASH_VARLEN].extra_reasons(spec.replace(equal_lengths=False)))
+    args = build_parser().parse_args(["explain", "--lengths", "5,17", "--kv-lengths", "6,17"])
+    assert not spec_from_args(args).equal_lengths
+
+
 def test_explain_rejects_bad_arguments():
     with pytest.raises(SystemExit):
         main(["explain", "--lengths", "3,x"])

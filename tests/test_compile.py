@@ -25,7 +25,7 @@ from tolerances import assert_close_lse, assert_close_packed
 
 import jagged_sdpa
 from jagged_sdpa import ops
-from jagged_sdpa.api import _prepare_varlen
+from calls import prepare_varlen as _prepare_varlen
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import calls
+
 import jagged_sdpa
 from jagged_sdpa import Backend, api, layout
 
@@ -56,12 +58,12 @@ def paged(device, lengths_q=(3, 1, 0, 1), used=(7, 4, 2, 0), block_size=4, width
 
 
 def prepare_paged(q, k_cache, v_cache, cu_q, table, seqused, max_q, max_k):
-    return api._prepare_varlen(q, k_cache, v_cache, cu_q, None, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
+    return calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
                                None, False, table, seqused, None)
 
 
 def prepare_packed(q, k, v, cu_q, cu_k, max_q, max_k):
-    return api._prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0, None, False,
+    return calls.prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0, None, False,
                                None, None, None)
 
 

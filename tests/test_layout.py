@@ -8,7 +8,7 @@ import torch
 import jagged_sdpa
 from jagged_sdpa import layout
 from jagged_sdpa.checks.device import DeviceChecks
-from jagged_sdpa.api import _prepare_sdpa, _prepare_varlen
+from calls import prepare_sdpa as _prepare_sdpa, prepare_varlen as _prepare_varlen
 from cases import cu_of, njt, packed
 
 

@@ -68,6 +68,13 @@ class BackendImpl:
         raise NotImplementedError
 
     @classmethod
+    def forward_runner(cls, call: PackedCall):
+        """Per-batch work done once for a plan (``plans.Plan``): a callable that runs the forward
+        of later calls of ``call``'s kind (same shapes, strides, dtypes, metadata tensors; no
+        gradient) and returns their AttnOutput, or None (``forward`` runs every call)."""
+        return None
+
+    @classmethod
     def fake_state(cls, call: PackedCall) -> tuple:
         """The ``state`` tensors ``forward`` would return, as fake tensors (``torch.compile``
         traces with them): none unless a backend keeps some."""

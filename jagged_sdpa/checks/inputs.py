@@ -198,7 +198,7 @@ def validate_int32_vector(name: str, t, length: Optional[int], device: torch.dev
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries ({what}), got {t.shape[0]}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+        raise ValueError(f"{name} is on {t.device} but cu_seqlens_q is on {device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,14 +287,25 @@ def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, se
     if q.shape[-1] < 1 or v.shape[-1] < 1:
         raise ValueError(f"head dims must be >= 1, got D={q.shape[-1]}, Dv={v.shape[-1]}")
     validate_same_device(("q", "k", "v"), (q, k, v))
+    validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table),
+                    ("seqused_k", seqused_k)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if paged and k.shape[1] < 1:
+        raise ValueError(f"k_cache block_size must be >= 1, got {k.shape[1]}")
+
+
+def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> None:
+    """Kinds, dtypes, shapes and devices of a batch's metadata (``plan`` has no q to compare)."""
     validate_tensor("cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.dtype != torch.int32:
         raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_q must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens_q.shape)}")
     batch = cu_seqlens_q.shape[0] - 1
-    validate_int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device, "B + 1")
-    if paged:
+    device = cu_seqlens_q.device
+    if block_table is not None:
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None when block_table is given (keys come from the cache)")
         validate_tensor("block_table", block_table)
@@ -302,24 +313,22 @@ def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, se
             raise TypeError(f"block_table must be int32, got {block_table.dtype}")
         if block_table.dim() != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq), got {tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        if block_table.device != device:
+            raise ValueError(f"block_table is on {block_table.device} but cu_seqlens_q is on {device}")
         if seqused_k is None:
             raise ValueError("seqused_k is required with block_table (the number of valid keys per sequence)")
-        if k.shape[1] < 1:
-            raise ValueError(f"k_cache block_size must be >= 1, got {k.shape[1]}")
     else:
         if cu_seqlens_k is None:
             raise ValueError("cu_seqlens_k is required unless block_table is given")
         validate_tensor("cu_seqlens_k", cu_seqlens_k)
         if cu_seqlens_k.dtype != torch.int32:
             raise TypeError(f"cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
-        validate_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device, "B + 1, like cu_seqlens_q")
+        validate_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device, "B + 1, like cu_seqlens_q")
     if seqused_k is not None:
         validate_tensor("seqused_k", seqused_k)
         if seqused_k.dtype != torch.int32:
             raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
-        validate_int32_vector("seqused_k", seqused_k, batch, q.device, "B")
+        validate_int32_vector("seqused_k", seqused_k, batch, device, "B")
 
 
 def validate_block_ids(block_table_host: list[list[int]], used: tuple[int, ...], block_size: int, num_blocks: int) -> None:

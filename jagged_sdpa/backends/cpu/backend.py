@@ -96,5 +96,20 @@ class CpuFusedBackend(BackendImpl):
         return AttnOutput(out, lse if spec.return_lse else None)
 
     @classmethod
+    def forward_runner(cls, call: PackedCall):
+        """The kernel's parameters built once (``native.ForwardRunner``); per layer only pointers.
+        Calls with ALiBi (slopes come per layer) or strided rows take ``forward``."""
+        spec = call.spec
+        if call.alibi_slopes is not None or not spec.last_dim_contiguous or spec.needs_grad:
+            return None
+        runner, return_lse = native.ForwardRunner(call), spec.return_lse
+
+        def run(call: PackedCall) -> AttnOutput:
+            out, lse = runner(call)
+            return AttnOutput(out, lse if return_lse else None)
+
+        return run
+
+    @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
         return native.backward(unit_stride(call), _unit_stride(out), lse, _unit_stride(grad_out))

@@ -334,6 +334,42 @@ def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
         raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
 
 
+class ForwardRunner:
+    """The forward of one kind of plan run (``plans.Plan``), its parameters built once: a run
+    sets only the pointers of its q, k, v, out and lse, its dropout key and the thread count.
+    Valid for calls of the kind it was built from: same shapes, strides and dtypes, the plan's
+    own metadata tensors, no ALiBi (slopes come per layer)."""
+
+    __slots__ = ("_params", "_keep", "_shape_out", "_shape_lse", "_dtype", "_dropout", "_lib")
+
+    def __init__(self, call: PackedCall):
+        spec = call.spec
+        self._shape_out = (spec.total_q, spec.heads_q, spec.head_dim_v)
+        self._shape_lse = (spec.heads_q, spec.total_q)
+        self._dtype = spec.dtype
+        self._dropout = bool(spec.dropout_p)
+        self._keep: list = []
+        out = torch.empty(self._shape_out, dtype=spec.dtype)
+        lse = torch.empty(self._shape_lse, dtype=torch.float32)
+        self._params = _params(call, out, lse, self._keep)
+        self._lib = library()
+
+    def __call__(self, call: PackedCall) -> tuple[Tensor, Tensor]:
+        """(out, lse) of ``call``."""
+        out = torch.empty(self._shape_out, dtype=self._dtype)
+        lse = torch.empty(self._shape_lse, dtype=torch.float32)
+        params = self._params
+        params.q, params.k, params.v = call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr()
+        params.out, params.lse = out.data_ptr(), lse.data_ptr()
+        params.threads = torch.get_num_threads()
+        if self._dropout:
+            params.dropout_seed, params.dropout_offset = keyed_dropout.key_words(call.dropout_key)
+        code = self._lib.js_attention_forward(ctypes.byref(params))
+        if code:
+            raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
+        return out, lse
+
+
 def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward).
     With a paged cache dk/dv are cache-shaped: blocks no sequence reads get 0, shared blocks the

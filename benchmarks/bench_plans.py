@@ -1,0 +1,137 @@
+"""What a model or server pays per attention call: plans and implicit reuse against dense SDPA.
+
+Side by side in one run, one thread (``--threads``), process CPU time (``time.process_time``:
+the cores here are shared), best of ``--rounds`` rounds of ``--reps`` calls:
+
+- tiny batch (B=4, lengths 3/5/2/4, H=2, D=16, causal): one dense ``F.scaled_dot_product_attention``
+  on the padded batch; ``plan.run``; ``varlen_attention`` with max lengths; ``sdpa`` over NJTs
+  that share one offsets tensor (32 layers); forward+backward through a plan and dense.
+- a 32-layer paged decode step (B=8, one query each, block 16, contexts 20-300, Hq 8 / Hkv 2,
+  D 64, fp32 and bf16): one plan run per layer, against reading the layer's used K/V once (the
+  step's floor: ``torch.index_select`` of the used blocks) and against ``varlen_attention`` per layer.
+
+Run: python benchmarks/bench_plans.py [--reps N] [--rounds N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import jagged_sdpa
+
+
+def best_us(fn, reps: int, rounds: int) -> float:
+    """Best per-call process time of ``rounds`` rounds of ``reps`` calls, in microseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.process_time() - t0) / reps)
+    return best * 1e6
+
+
+def tiny(reps: int, rounds: int) -> list[tuple[str, float, float]]:
+    """Rows (name, us per call, ratio to one dense SDPA call) of the tiny batch."""
+    cu = torch.tensor([0, 3, 8, 10, 14], dtype=torch.int32)
+    q, k, v = (torch.randn(14, 2, 16) for _ in range(3))
+    dense = [torch.randn(4, 2, 5, 16) for _ in range(3)]
+    plan = jagged_sdpa.plan(cu, cu, 5, 5, causal=True)
+    offsets = cu.long()
+    njts = [torch.nested.nested_tensor_from_jagged(torch.randn(14, 2, 16), offsets).transpose(1, 2)
+            for _ in range(32)]
+
+    def sdpa_32_layers():
+        for x in njts:
+            jagged_sdpa.sdpa(x, x, x, is_causal=True)
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dg = [t.clone().requires_grad_() for t in dense]
+    grad_out, grad_dense = torch.randn(14, 2, 16), torch.randn(4, 2, 5, 16)
+
+    rows = {
+        "dense SDPA, padded (B, H, 5, D)": lambda: F.scaled_dot_product_attention(*dense, is_causal=True),
+        "plan.run": lambda: plan.run(q, k, v),
+        "varlen_attention, max lengths given": lambda: jagged_sdpa.varlen_attention(q, k, v, cu, cu, 5, 5, causal=True),
+        "varlen_attention, no max lengths": lambda: jagged_sdpa.varlen_attention(q, k, v, cu, cu, causal=True),
+    }
+    out = {name: best_us(fn, reps, rounds) for name, fn in rows.items()}
+    out["sdpa, 32 layers sharing offsets (per call)"] = best_us(sdpa_32_layers, max(reps // 32, 1), rounds) / 32
+    out["dense SDPA forward+backward"] = best_us(
+        lambda: F.scaled_dot_product_attention(*dg, is_causal=True).backward(grad_dense), reps // 2, rounds)
+    out["plan.run forward+backward"] = best_us(lambda: plan.run(qg, kg, vg).backward(grad_out), reps // 2, rounds)
+    dense_fwd, dense_bwd = out["dense SDPA, padded (B, H, 5, D)"], out["dense SDPA forward+backward"]
+    return [(name, us, us / (dense_bwd if "backward" in name else dense_fwd)) for name, us in out.items()]
+
+
+def decode_step(dtype: torch.dtype, reps: int, rounds: int, layers: int = 32) -> list[tuple[str, float, float]]:
+    """Rows of one paged decode step over ``layers`` layers (ratio: to the K/V read floor)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, block, hq, hkv, d = 8, 16, 8, 2, 64
+    contexts = torch.randint(20, 301, (batch,), generator=gen).tolist()
+    width = max(-(-n // block) for n in contexts)
+    num_blocks = sum(-(-n // block) for n in contexts) + 4
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(contexts):
+        need = -(-n // block)
+        table[b, :need] = ids[at:at + need].to(torch.int32)
+        at += need
+    caches = [(torch.randn(num_blocks, block, hkv, d, generator=gen).to(dtype),
+               torch.randn(num_blocks, block, hkv, d, generator=gen).to(dtype)) for _ in range(layers)]
+    qs = [torch.randn(batch, hq, d, generator=gen).to(dtype) for _ in range(layers)]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32)
+    seqused = torch.tensor(contexts, dtype=torch.int32)
+    used_blocks = torch.cat([table[b, :-(-n // block)] for b, n in enumerate(contexts)]).long()
+    plan = jagged_sdpa.plan(cu_q, None, 1, max(contexts), causal=True, block_table=table, seqused_k=seqused)
+
+    def floor():
+        for k_cache, v_cache in caches:
+            k_cache.index_select(0, used_blocks)
+            v_cache.index_select(0, used_blocks)
+
+    def step_plan():
+        for q, (k_cache, v_cache) in zip(qs, caches):
+            plan.run(q, k_cache, v_cache)
+
+    def step_varlen():
+        for q, (k_cache, v_cache) in zip(qs, caches):
+            jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_q, None, 1, max(contexts), causal=True,
+                                         block_table=table, seqused_k=seqused)
+
+    reps = max(reps // layers, 3)
+    base = best_us(floor, reps, rounds)
+    name = str(dtype).replace("torch.", "")
+    rows = [(f"{name}: read used K/V once (floor)", base, 1.0)]
+    for label, fn in ((f"{name}: plan.run per layer", step_plan), (f"{name}: varlen_attention per layer", step_varlen)):
+        us = best_us(fn, reps, rounds)
+        rows.append((label, us, us / base))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), process time, best of {args.rounds}")
+    print("\n| tiny batch | us per call | x dense (fwd or fwd+bwd) |\n|---|---:|---:|")
+    for name, us, ratio in tiny(args.reps, args.rounds):
+        print(f"| {name} | {us:.1f} | {ratio:.2f}x |")
+    print("\n| 32-layer paged decode step | us per step | x floor |\n|---|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, us, ratio in decode_step(dtype, args.reps, args.rounds):
+            print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""A ragged batch's metadata, validated once: ``Batch``, built here and nowhere else.
+
+A model runs attention once per layer over the same batch, a server once per layer at every
+decode step. What depends only on the batch's metadata (cu_seqlens or NJT offsets, seqused_k,
+block_table, the max lengths) is worked out once: the host read and the content checks, the max
+lengths, empty sequences, whether Lq == Lk. What depends on a layer's tensors (the packed lengths,
+the cache's geometry) is checked by ``Batch.bind``, once per distinct geometry. An accelerator
+call given every max length reads nothing: ``bind`` queues the same rules as device-side asserts
+(``checks.device``), so no path hands unchecked offsets to a kernel.
+
+``cached`` returns the Batch of earlier calls while their metadata tensors are the same objects
+at the same version (torch's in-place counter), so ``varlen_attention``/``sdpa`` over one
+``cu_seqlens``/offsets tensor (every layer of a model) validate it once, and an in-place change
+made with a torch op in between is seen. Tensors made under ``torch.inference_mode`` carry no
+version counter: on the CPU their contents are read again and compared (a memory read), on an
+accelerator the batch is validated again. ``plan`` builds a Batch of its own over copies.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa import layout
+from jagged_sdpa.checks import inputs
+from jagged_sdpa.checks.device import DeviceChecks
+
+
+class Names(NamedTuple):
+    """How the caller spelled the metadata, for error messages."""
+
+    cu_q: str
+    cu_k: str
+    max_q: str
+    max_k: str
+
+
+VARLEN_NAMES = Names("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+SDPA_NAMES = Names("query.offsets()", "key.offsets()", "query's cached max seqlen", "key's cached max seqlen")
+
+
+@dataclass(eq=False)
+class Batch:
+    """The validated facts of one batch. Tensors are int32 on the call's device; ``*_host`` hold
+    what was read on the host (None when nothing was: an accelerator call given its max lengths,
+    or a trace)."""
+
+    size: int
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Optional[Tensor]      # None when paged
+    seqused_k: Optional[Tensor]
+    block_table: Optional[Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    has_empty_q: bool                   # True when unknown
+    has_empty_k: bool
+    equal_lengths: bool                 # Lq == Lk for every sequence (known without a read, or read)
+    names: Names
+    cu_q_host: Optional[tuple] = None
+    cu_k_host: Optional[tuple] = None
+    seqused_host: Optional[tuple] = None
+    table_host: Optional[list] = None   # paged: rows of block ids, read with the lengths
+    kv_dense: bool = False              # sdpa's dense key/value: cu_seqlens_k is b * S
+    _bound: set = field(default_factory=set, repr=False)
+    plans: dict = field(default_factory=dict, repr=False)   # Options -> the Plan of calls over this batch
+
+    @property
+    def lengths_known(self) -> bool:
+        return self.cu_q_host is not None
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    def bind(self, total_q: int, k: Tensor) -> None:
+        """Check the batch against a layer's packed q length and its k (packed keys, or the
+        paged cache): on the host when the lengths were read, else as device-side asserts. Once
+        per geometry; nothing while tracing (the operator checks when it runs)."""
+        if torch.compiler.is_compiling():
+            return
+        geometry = (total_q, k.shape[0], k.shape[1] if self.paged else 0)
+        if geometry in self._bound:
+            return
+        if self.lengths_known:
+            self._check_host(total_q, k)
+        else:
+            self._queue_device_checks(total_q, k)
+        self._bound.add(geometry)
+
+    def _check_host(self, total_q: int, k: Tensor) -> None:
+        _check_end(self.names.cu_q, self.cu_q_host, total_q)
+        if not self.paged:
+            if not self.kv_dense:
+                _check_end(self.names.cu_k, self.cu_k_host, k.shape[0])
+            return
+        num_blocks, block_size = k.shape[0], k.shape[1]
+        width = self.block_table.shape[1]
+        layout.lengths_stats("seqused_k", self.seqused_host, [width * block_size] * self.size, None)
+        inputs.validate_block_ids(self.table_host, self.seqused_host, block_size, num_blocks)
+
+    def _queue_device_checks(self, total_q: int, k: Tensor) -> None:
+        names, checks = self.names, DeviceChecks()
+        checks.add_cu(names.cu_q, self.cu_seqlens_q, total_q, self.max_seqlen_q, names.max_q)
+        if self.paged:
+            block_size = k.shape[1]
+            checks.add_lengths("seqused_k", self.seqused_k, self.block_table.shape[1] * block_size,
+                               self.max_seqlen_k)
+            checks.add_block_ids(self.block_table, self.seqused_k, block_size, k.shape[0])
+        elif not self.kv_dense:
+            max_cu_k = self.max_seqlen_k if self.seqused_k is None else k.shape[0]
+            checks.add_cu(names.cu_k, self.cu_seqlens_k, k.shape[0], max_cu_k, names.max_k)
+            if self.seqused_k is not None:
+                checks.add_lengths("seqused_k", self.seqused_k, self.cu_seqlens_k, self.max_seqlen_k)
+        checks.queue()
+
+
+def _int32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _check_end(name: str, host: tuple, total: int) -> None:
+    if host[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
+
+
+def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
+          block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
+          names: Names = VARLEN_NAMES, kv_dense: bool = False, host: Optional[list] = None) -> Batch:
+    """Validate a batch's metadata (``read``: on the host now; else its checks wait for ``bind``).
+    ``host``: what the caller read of the same tensors already (``layout.read_host``'s lists).
+
+    Raises the ValueError of the first bad content, naming the argument as ``names`` spells it.
+    Without a read, ``max_q``/``max_k`` must be given (they bound every length). ``kv_dense``:
+    sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here)."""
+    if names is VARLEN_NAMES:
+        inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
+    else:  # NJT offsets (int64): the kernels take int32; one cast per batch, shared by q and k when they share
+        shared = cu_k is cu_q
+        cu_q = _int32(cu_q)
+        cu_k = cu_q if shared else None if cu_k is None else _int32(cu_k)
+    paged = block_table is not None
+    size = cu_q.shape[0] - 1
+    if kv_dense:
+        cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
+    if not read:
+        empty_k = max_k == 0 and size > 0 if kv_dense else True
+        return Batch(size, cu_q, cu_k, seqused_k, block_table, max_q, max_k, True, empty_k,
+                     cu_k is cu_q and seqused_k is None, names, kv_dense=kv_dense)
+    to_read = [cu_q] + ([block_table, seqused_k] if paged else [] if kv_dense else
+                        [cu_k] + ([seqused_k] if seqused_k is not None else []))
+    host = layout.read_host(*to_read) if host is None else host
+    stats_q = layout.seqlen_stats(names.cu_q, host[0], None, max_q, names.max_q)
+    table_host = used = None
+    if paged:
+        used = tuple(host[2])
+        stats_k = layout.lengths_stats("seqused_k", used, None, max_k)
+        width = block_table.shape[1]
+        table_host = [host[1][b * width:(b + 1) * width] for b in range(size)]
+        cu_k_host = None
+    elif kv_dense:
+        stats_k = layout.SeqlenStats(tuple(b * max_k for b in range(size + 1)), max_k, max_k == 0 and size > 0)
+        cu_k_host = stats_k.cu_host
+    else:
+        if host[1] is host[0] and seqused_k is None and max_k == max_q:
+            stats_k = stats_q  # self-attention: the same tensor, read once, validated once
+        else:
+            stats_k = layout.seqlen_stats(names.cu_k, host[1], None, None if seqused_k is not None else max_k,
+                                          names.max_k)
+        cu_k_host = stats_k.cu_host
+        if seqused_k is not None:
+            used = tuple(host[2])
+            stats_k = layout.lengths_stats("seqused_k", used, layout.host_lengths(cu_k_host), max_k)
+    equal = (cu_k is cu_q and seqused_k is None) or (
+        not paged and seqused_k is None and tuple(stats_q.cu_host) == tuple(cu_k_host))
+    return Batch(size, cu_q, cu_k, seqused_k, block_table, stats_q.max_seqlen, stats_k.max_seqlen,
+                 stats_q.has_empty, stats_k.has_empty, equal, names, stats_q.cu_host, cu_k_host, used, table_host,
+                 kv_dense)
+
+
+# ----------------------------------------------------------------------------------------------
+# reuse across calls over the same metadata tensors
+
+_CACHE: dict = {}
+_CACHE_SIZE = 64
+
+
+def _versions(tensors: tuple) -> Optional[tuple]:
+    """The tensors' in-place versions, or None when one has no counter (an inference tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except (RuntimeError, AttributeError):  # AttributeError: not a tensor (``build`` says so)
+        return None
+
+
+def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
+           block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
+           names: Names = VARLEN_NAMES, kv_dense: bool = False) -> Batch:
+    """``build``, or the Batch an earlier call built over the very same, unchanged tensors."""
+    tensors = tuple(t for t in (cu_q, cu_k, block_table, seqused_k) if t is not None)
+    key = (tuple(map(id, tensors)), max_q, max_k, read, names, kv_dense, block_table is not None,
+           seqused_k is not None)
+    versions = _versions(tensors)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        refs, seen, batch = hit
+        if all(r() is t for r, t in zip(refs, tensors)):
+            if versions is not None and versions == seen:
+                return batch
+            if versions is None and read and _same_contents(batch, tensors):
+                return batch
+    batch = build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read, names=names,
+                  kv_dense=kv_dense)
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, batch)
+    return batch
+
+
+def _same_contents(batch: Batch, tensors: tuple) -> bool:
+    """Whether tensors without a version counter still hold what ``batch`` read from them."""
+    now = layout.read_host(*tensors)
+    held = [batch.cu_q_host]
+    if batch.paged:
+        held += [[x for row in batch.table_host for x in row], batch.seqused_host]
+    else:
+        held.append(batch.cu_k_host)
+        if batch.seqused_k is not None:
+            held.append(batch.seqused_host)
+    return all(tuple(a) == tuple(b) for a, b in zip(now, held))
+
+
+def clear_cache() -> None:
+    """Forget every cached Batch (tests)."""
+    _CACHE.clear()

@@ -1,0 +1,97 @@
+"""A layer's attention options, validated once: ``Options``, the per-layer half of a call's spec.
+
+``varlen_attention``, ``sdpa`` and ``plan`` each validate their keyword arguments here into one
+frozen, hashable ``Options``; the batch's half is ``batch.Batch``, and ``plans.Plan`` joins the two
+with a layer's tensors into the ``AttnSpec`` that selection reads. Validation of the same
+arguments is cached: a model passes the same options in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from jagged_sdpa.backends import Backend
+from jagged_sdpa.checks import inputs
+from jagged_sdpa.selection import to_backend
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a call's keyword arguments ask for, validated. ``scale`` None means 1/sqrt(D);
+    ``run_dropout_p`` is what kernels run with (``inputs.dropout_to_run``: 0 when dropout_p is 1,
+    whose output is zeroed instead)."""
+
+    entry: str                       # "varlen" or "sdpa": how errors and explain name things
+    causal: bool = False
+    alignment: str = "bottom_right"
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    run_dropout_p: float = 0.0
+    scale: Optional[float] = None
+    scale_name: str = "softmax_scale"
+    return_lse: bool = False
+    forced: Optional[Backend] = None
+    notes: tuple = ()
+
+    def scale_for(self, head_dim: int) -> float:
+        return inputs.validate_scale(self.scale_name, self.scale, head_dim)
+
+
+_CACHE: dict = {}
+
+
+def _cached(build, *args):
+    """``build(*args)``, cached by the arguments' types and values (``True`` and ``1`` differ:
+    one is valid where the other is a TypeError). Unhashable arguments are validated each time."""
+    key = (build, tuple((type(a), a) for a in args))
+    try:
+        found = _CACHE.get(key)
+    except TypeError:  # a list window, say
+        return build(*args)
+    if found is None:
+        found = build(*args)
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = found
+    return found
+
+
+def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend) -> Options:
+    inputs.validate_bool("causal", causal)
+    inputs.validate_bool("return_lse", return_lse)
+    forced = None if backend is None else to_backend(backend)
+    window = inputs.validate_window(window_size)
+    cap = inputs.validate_softcap(softcap, zero_means_off=True)
+    p = inputs.validate_dropout(dropout_p)
+    run_p, notes = inputs.dropout_to_run(p)
+    inputs.validate_scale("softmax_scale", softmax_scale, 1)
+    return Options("varlen", causal, "bottom_right", window, cap, p, run_p,
+                   None if softmax_scale is None else float(softmax_scale), "softmax_scale", return_lse, forced,
+                   tuple(notes))
+
+
+def varlen(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
+           backend=None) -> Options:
+    """The Options of ``varlen_attention``'s (and ``plan``'s) keyword arguments."""
+    return _cached(_varlen, dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
+
+
+def _sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend) -> Options:
+    inputs.validate_bool("is_causal", is_causal)
+    forced = None if backend is None else to_backend(backend)
+    alignment = inputs.validate_alignment(causal_alignment)
+    window = inputs.validate_window(window_size)
+    cap = inputs.validate_softcap(softcap, zero_means_off=False)
+    p = inputs.validate_dropout(dropout_p)
+    run_p, notes = inputs.dropout_to_run(p)
+    inputs.validate_scale("scale", scale, 1)
+    return Options("sdpa", is_causal, alignment, window, cap, p, run_p, None if scale is None else float(scale),
+                   "scale", False, forced, tuple(notes))
+
+
+def sdpa(dropout_p=0.0, is_causal=False, scale=None, causal_alignment="top_left", window_size=None, softcap=None,
+         backend=None) -> Options:
+    """The Options of ``sdpa``'s arguments."""
+    return _cached(_sdpa, dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend)

@@ -1,0 +1,311 @@
+"""Plans: a batch validated once, run in every layer (API.md section 10).
+
+A ``Plan`` joins a ``batch.Batch`` (the batch's validated metadata) and ``options.Options`` (the
+layer's validated keyword arguments). ``run`` does only per-layer work: the first run of each
+kind (dtypes, devices, shapes, gradient or not, ALiBi's form, the backend order in force)
+validates the tensors against the plan, builds the ``AttnSpec`` and selects the backend; later
+runs of that kind look it up and go straight to ``ops.run``. ``varlen_attention`` and ``sdpa``
+are plans too, found again through the Batch of their metadata tensors (``batch.cached``): one
+code path for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from jagged_sdpa import batch as batches
+from jagged_sdpa import layout, ops, options as opts
+from jagged_sdpa.backends import IMPLS, Backend, keyed_dropout
+from jagged_sdpa.checks import inputs
+from jagged_sdpa.selection import Explanation, _ORDER, choose, select, with_notes
+from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
+
+
+class _Prepared:
+    """What the first run of a kind worked out: its spec, backend, explain notes and, once a
+    run of the kind goes straight to its backend, that backend's ``forward_runner``."""
+
+    __slots__ = ("spec", "run_spec", "backend", "notes", "runner")
+
+    def __init__(self, spec: AttnSpec, backend: Optional[Backend], notes: tuple):
+        self.spec, self.backend, self.notes, self.runner = spec, backend, notes, _NOT_YET
+        # A run that needs a gradient keeps the lse for its backward (``ops.keeping_lse``): made once.
+        self.run_spec = ops.keeping_lse_spec(spec)
+
+
+_NOT_YET = object()
+
+
+def autocast(q, k, v) -> tuple:
+    """q, k, v as ``torch.autocast`` casts SDPA's inputs (API.md section 1): floating tensors other
+    than float64 to the autocast dtype of their device, when autocast is on there."""
+    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class Plan:
+    """A validated batch and the options of its attention calls; ``run`` it in every layer.
+
+    Built by ``jagged_sdpa.plan`` (over copies of the caller's tensors) or, implicitly, by
+    ``varlen_attention``/``sdpa`` (over the caller's tensors, found again while unchanged).
+    """
+
+    def __init__(self, batch: batches.Batch, options: opts.Options, refusal: Optional[str] = None):
+        self._batch = batch
+        self._options = options
+        self._refusal = refusal     # a traced call without max lengths: raised when the operator runs
+        self._kinds: dict = {}
+
+    # -- per layer -------------------------------------------------------------------------------
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, *, alibi_slopes: Optional[Tensor] = None):
+        """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=...)``: out, or
+        (out, lse) with ``return_lse=True``."""
+        result = self._run(q, k, v, alibi_slopes, validated=False)
+        return (result.out, result.lse) if self._options.return_lse else result.out
+
+    def explain(self, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None) -> Explanation:
+        """Which backend ``run(q, k, v, ...)`` would take, and why not the others; runs nothing."""
+        return self._explain(q, k, v, alibi_slopes, validated=False)
+
+    def _explain(self, q, k, v, alibi_slopes, validated: bool) -> Explanation:
+        q, k, v = autocast(q, k, v)
+        prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False)
+        return with_notes(select(prepared.spec, self._options.forced), prepared.notes)
+
+    def _run(self, q, k, v, alibi_slopes, validated: bool) -> AttnOutput:
+        """The run of a call whose q, k, v are packed; ``validated`` when the caller (``sdpa``)
+        has checked their kinds and shapes itself."""
+        q, k, v = autocast(q, k, v)
+        call, prepared = self._call(q, k, v, alibi_slopes, validated)
+        runner = prepared.runner
+        if runner is _NOT_YET:  # built on the first run that would go straight to the backend
+            runner = None
+            if prepared.backend is not None and not prepared.spec.needs_grad and ops.unobserved(call):
+                runner = prepared.runner = IMPLS[prepared.backend].forward_runner(call)
+        result = ops.run(prepared.backend, call, runner)
+        if inputs.drops_everything(self._options.dropout_p):
+            result = AttnOutput(result.out * 0, result.lse)
+        return result
+
+    def _call(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True
+              ) -> tuple[PackedCall, _Prepared]:
+        """The call ``run`` hands to ``ops.run``, and what its kind's first run prepared (no
+        backend when not ``choosing``: the call only described, as tests inspect it)."""
+        if not choosing:
+            prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False)
+        elif (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
+              and (alibi_slopes is None or type(alibi_slopes) is Tensor)):
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+                alibi_slopes is not None and alibi_slopes.requires_grad))
+            kind = (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape, v.shape,
+                    q.stride(), k.stride(), v.stride(), grad, _ORDER.get(),
+                    None if alibi_slopes is None else (type(alibi_slopes), alibi_slopes.dtype, alibi_slopes.device,
+                                                       alibi_slopes.shape, alibi_slopes.requires_grad))
+            prepared = self._kinds.get(kind)
+            if prepared is None:
+                prepared = self._prepare(q, k, v, alibi_slopes, validated)
+                if len(self._kinds) >= 32:
+                    self._kinds.clear()
+                self._kinds[kind] = prepared
+        else:
+            prepared = self._prepare(q, k, v, alibi_slopes, validated)
+        b = self._batch
+        call = PackedCall(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, prepared.run_spec, alibi_slopes, b.seqused_k,
+                          b.block_table, b.cu_q_host, b.cu_k_host, b.seqused_host,
+                          keyed_dropout.draw_key() if prepared.spec.dropout_p else None, self._refusal)
+        return call, prepared
+
+    def _prepare(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True) -> _Prepared:
+        """A kind's first run: check the tensors against the plan, build the spec, select."""
+        b, o = self._batch, self._options
+        if not validated:
+            inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, b.block_table, b.seqused_k)
+        alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
+        if choosing or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
+            b.bind(q.shape[0], k)
+        spec = spec_of(b, o, q, k, v, alibi, _needs_grad(alibi_slopes), _needs_grad(q, k, v, alibi_slopes))
+        notes = o.notes + self._layout_notes
+        if not choosing or self._refusal is not None:
+            return _Prepared(spec, None, notes)
+        return _Prepared(spec, choose(spec, o.forced, notes), notes)
+
+    _layout_notes: tuple = ()
+
+    # -- per batch -------------------------------------------------------------------------------
+
+    def update(self, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
+               max_seqlen_k: Optional[int] = None, *, block_table: Optional[Tensor] = None,
+               seqused_k: Optional[Tensor] = None) -> None:
+        """Point the plan at a new batch of the same size, validated like ``plan``; the plan's own
+        buffers are refilled in place (a captured CUDA graph reads them)."""
+        old = self._batch
+        new = _validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                               own=False)
+        like = lambda b: (f"B={b.size}" + (f", block_table of shape {tuple(b.block_table.shape)}" if b.paged else "")
+                          + (", with seqused_k" if b.seqused_k is not None else ", without seqused_k"))
+        if like(new) != like(old):
+            raise ValueError(f"update needs a batch like the plan's ({like(old)}), got {like(new)}")
+        cu_q = _refill(old.cu_seqlens_q, new.cu_seqlens_q)
+        if new.cu_seqlens_k is None or new.cu_seqlens_k is new.cu_seqlens_q:
+            cu_k = None if new.cu_seqlens_k is None else cu_q
+        elif old.cu_seqlens_k is old.cu_seqlens_q:
+            cu_k = new.cu_seqlens_k.clone()   # shared before, not now: a buffer of its own
+        else:
+            cu_k = _refill(old.cu_seqlens_k, new.cu_seqlens_k)
+        self._batch = dataclasses.replace(new, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          block_table=_refill(old.block_table, new.block_table),
+                                          seqused_k=_refill(old.seqused_k, new.seqused_k))
+        self._kinds.clear()
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch.size
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return self._batch.max_seqlen_q
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return self._batch.max_seqlen_k
+
+    def __repr__(self) -> str:
+        b, o = self._batch, self._options
+        return (f"Plan(B={b.size}, max_seqlen_q={b.max_seqlen_q}, max_seqlen_k={b.max_seqlen_k}"
+                + (", paged" if b.paged else "") + (f", causal" if o.causal else "")
+                + f", lengths {'read' if b.lengths_known else 'checked on the device'})")
+
+
+def _refill(mine: Optional[Tensor], theirs: Optional[Tensor]) -> Optional[Tensor]:
+    """``theirs`` copied into the plan's buffer ``mine`` (in place: a captured graph reads it)."""
+    if theirs is None:
+        return None
+    if mine is None or mine.shape != theirs.shape:
+        return theirs.clone()
+    return mine.copy_(theirs)
+
+
+def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, alibi: Optional[str],
+            alibi_grad: bool, needs_grad: bool) -> AttnSpec:
+    """The selection key and run contract of one layer's call: the batch's facts, the options,
+    the tensors' metadata. The one place an AttnSpec of a wrapper call is made."""
+    fields = ops.tensor_fields(q, k, v, b.size, b.block_table, b.seqused_k)
+    equal = b.equal_lengths or (b.kv_dense and b.max_seqlen_q == b.max_seqlen_k
+                                and q.shape[0] == b.size * b.max_seqlen_k)
+    return AttnSpec(
+        entry=o.entry,
+        **fields,
+        max_seqlen_q=b.max_seqlen_q,
+        max_seqlen_k=b.max_seqlen_k,
+        has_empty_q=b.has_empty_q,
+        has_empty_k=b.has_empty_k,
+        lengths_known=b.lengths_known,
+        kv_dense=b.kv_dense,
+        causal=o.causal,
+        alignment=o.alignment,
+        window=inputs.effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k),
+        softcap=o.softcap,
+        alibi=alibi,
+        alibi_grad=alibi is not None and alibi_grad,
+        dropout_p=o.run_dropout_p,
+        scale=o.scale_for(fields["head_dim"]),
+        needs_grad=needs_grad,
+        return_lse=o.return_lse,
+        equal_lengths=equal,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# building plans
+
+
+def host_read(device: torch.device, max_q: Optional[int], max_k: Optional[int], why: Optional[str] = None) -> bool:
+    """Whether a batch's lengths are read on the host now (``layout.host_read_needed``, or ``why``
+    one is needed). Inside ``torch.compile`` nothing is read (the operator checks the contents
+    when it runs); a call that cannot do without a read is refused."""
+    if not torch.compiler.is_compiling():
+        return why is not None or layout.host_read_needed(device, max_q, max_k)
+    if why is not None:
+        raise ValueError(f"{why} need a host read of the offsets, which torch.compile cannot trace: call it "
+                         f"outside the compiled region")
+    return False
+
+
+def missing_max(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[int]) -> Optional[str]:
+    """Under ``torch.compile``, the refusal of a call whose max lengths are unknown, else None.
+    Raised when the operator runs, so the user gets this ValueError itself, with or without
+    ``fullgraph``, where raising while tracing would reach them wrapped in Dynamo's error or,
+    without ``fullgraph``, break the graph and run the call eagerly."""
+    missing = [name for name, m in ((name_q, max_q), (name_k, max_k)) if m is None]
+    if not missing or not torch.compiler.is_compiling():
+        return None
+    return (f"under torch.compile the maximum sequence lengths must be known without reading tensor data: pass "
+            f"{' and '.join(missing)} (ints)" + (" (NJTs built by torch.nested carry it)" if "cached" in missing[0]
+                                                 else ""))
+
+
+def _validated_batch(cu_q, cu_k, max_q, max_k, block_table, seqused_k, *, own: bool = True) -> batches.Batch:
+    """A plan's batch: metadata checked, copied (``own``: the caller's tensors may change later),
+    read on the host unless the device is an accelerator and both max lengths are given."""
+    inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
+    max_q = inputs.validate_max_seqlen("max_seqlen_q", max_q)
+    max_k = inputs.validate_max_seqlen("max_seqlen_k", max_k)
+    if own:
+        copies = {id(t): t.clone() for t in (cu_q, cu_k, block_table, seqused_k) if t is not None}
+        cu_q, cu_k, block_table, seqused_k = (None if t is None else copies[id(t)]
+                                              for t in (cu_q, cu_k, block_table, seqused_k))
+    read = host_read(cu_q.device, max_q, max_k)
+    return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read)
+
+
+def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
+         max_seqlen_k: Optional[int] = None, *, dropout_p=0.0, softmax_scale=None, causal=False,
+         window_size=(-1, -1), softcap=0.0, return_lse=False, block_table: Optional[Tensor] = None,
+         seqused_k: Optional[Tensor] = None, backend=None) -> Plan:
+    """Validate a batch once, for ``run`` in every layer (API.md section 10).
+
+    Arguments mean what they mean in ``varlen_attention``; bad metadata or options raise the same
+    errors. The plan keeps copies of ``cu_seqlens_*``, ``block_table`` and ``seqused_k``: later
+    changes to the caller's tensors do not reach it (``update`` points it at a new batch).
+
+    Example::
+
+        p = jagged_sdpa.plan(cu, cu, 5, 5, causal=True)
+        for layer in layers:
+            out = p.run(q[layer], k[layer], v[layer])
+    """
+    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
+    return Plan(_validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k),
+                options)
+
+
+def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = None,
+             layout_notes: tuple = ()) -> Plan:
+    """The plan of a ``varlen_attention``/``sdpa`` call over batch ``b``: kept on the batch, so a
+    later call over the same metadata and options finds it, kinds and selections included."""
+    if refusal is not None or layout_notes or torch.compiler.is_compiling():
+        p = Plan(b, options, refusal)
+        p._layout_notes = tuple(layout_notes)
+        return p
+    plans = b.plans
+    found = plans.get(options)
+    if found is None:
+        if len(plans) >= 16:
+            plans.clear()
+        found = plans[options] = Plan(b, options)
+    return found
+
+
+__all__ = ["Plan", "plan", "spec_of"]

@@ -40,10 +40,14 @@ class _Prepared:
 _NOT_YET = object()
 
 
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "maia"})
+
+
 def autocast(q, k, v) -> tuple:
     """q, k, v as ``torch.autocast`` casts SDPA's inputs (API.md section 1): floating tensors other
     than float64 to the autocast dtype of their device, when autocast is on there."""
-    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+    if not isinstance(q, Tensor) or q.device.type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(
+            q.device.type):
         return q, k, v
     dtype = torch.get_autocast_dtype(q.device.type)
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t

@@ -30,10 +30,10 @@ import jagged_sdpa
 from jagged_sdpa import api
 from jagged_sdpa.ops import run
 from jagged_sdpa.backends import Backend
-from jagged_sdpa.backends import cuda_common as cc
-from jagged_sdpa.backends import flash_varlen
-from jagged_sdpa.backends.efficient import EfficientBackend
-from jagged_sdpa.backends.flash_varlen import FlashVarlenBackend
+from jagged_sdpa.backends.cuda import common as cc
+from jagged_sdpa.backends.cuda import flash_varlen
+from jagged_sdpa.backends.cuda.efficient import EfficientBackend
+from jagged_sdpa.backends.cuda.flash_varlen import FlashVarlenBackend
 
 
 # ---------------------------------------------------------------------------------------------

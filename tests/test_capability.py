@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from jagged_sdpa.backends import IMPLS, Backend
-from jagged_sdpa.backends import cuda_common as cc
-from jagged_sdpa.backends.efficient import EfficientBackend, mask_arguments
-from jagged_sdpa.backends.flash_varlen import FlashVarlenBackend
+from jagged_sdpa.backends.cuda import common as cc
+from jagged_sdpa.backends.cuda.efficient import EfficientBackend, mask_arguments
+from jagged_sdpa.backends.cuda.flash_varlen import FlashVarlenBackend
 from jagged_sdpa.selection import select
 from jagged_sdpa.spec import AttnSpec
 
@@ -208,7 +208,7 @@ def test_efficient_mask_arguments(changes, expected):
 
 @pytest.fixture
 def fresh_probes():
-    from jagged_sdpa.backends import flash_varlen
+    from jagged_sdpa.backends.cuda import flash_varlen
 
     for probe in (cc.cuda_unavailable_reason, flash_varlen._flash_build_reason):
         probe.cache_clear()
@@ -219,7 +219,7 @@ def fresh_probes():
 
 @pytest.mark.usefixtures("fresh_probes")
 def test_availability_reasons(monkeypatch):
-    from jagged_sdpa.backends import flash_varlen
+    from jagged_sdpa.backends.cuda import flash_varlen
 
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)

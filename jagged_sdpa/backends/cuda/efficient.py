@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from jagged_sdpa.backends import cuda_common as cc
+from jagged_sdpa.backends.cuda import common as cc
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall

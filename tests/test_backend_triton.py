@@ -229,6 +229,13 @@ def _device_check_cases():
         ("add_cu", ("cu", cu([0, 3, 8]), 8, 4, "max"), False),                # longer than max
         ("add_cu", ("cu", cu(list(range(0, 3001, 1))), 3000, 1, "max"), True),  # several blocks
         ("add_cu", ("cu", cu(list(range(0, 3000, 1)) + [3002]), 3002, 1, "max"), False),
+        # issue 23: int32 differences of out-of-range offsets wrap to "valid" lengths (2**31 - 1,
+        # 6, 2**31 - 1, 6); sequence 1 would start at row 2**31 - 1 of a 10-row tensor
+        ("add_cu", ("cu", cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 10, 2**31 - 1, "max"), False),
+        ("add_cu", ("cu", cu([0, 2**63 - 1, -2**63 + 5, 4, 10], torch.int64), 10, 2**63 - 1, "max"), False),
+        ("add_cu", ("cu", cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 10, 10, "max"), False),
+        ("add_cu", ("cu", cu([0, 11, 10]), 10, 20, "max"), False),              # past the total
+        ("add_lengths", ("used", cu([4, 0, 9, 1]), cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 9), False),
         ("add_lengths", ("used", cu([4, 0, 9]), cu([0, 8, 8, 24]), 9), True),
         ("add_lengths", ("used", cu([4, 1, 9]), cu([0, 8, 8, 24]), 9), False),  # above its capacity
         ("add_lengths", ("used", cu([4, -1, 9]), 16, 9), False),
@@ -253,6 +260,11 @@ def test_device_checks_triton_form_agrees_with_torch_ops():
         getattr(checks, adder)(*args)
         assert bool(device._flags_torch(checks).all()) == ok, (adder, args)
         assert bool(device._flags_triton(checks, kernels).all()) == ok, (adder, args)
+    wrapped = device.DeviceChecks()   # issue 23's case, queued as a call queues it: a clear error
+    wrapped.add_cu("cu_seqlens_q", torch.tensor([0, 2**31 - 1, -2**31 + 5, 4, 10], dtype=torch.int32), 10,
+                   2**31 - 1, "max_seqlen_q")
+    with pytest.raises(RuntimeError, match="bad cu_seqlens_q: offsets must start at 0, not decrease, stay within"):
+        wrapped.queue()
     both = device.DeviceChecks()
     for adder, args, _ in _device_check_cases()[:3]:
         getattr(both, adder)(*args)

@@ -555,7 +555,11 @@ def test_flash_seqused_k_forward(fake_flash):
 
 
 @pytest.mark.usefixtures("available")
-def test_flash_paged_forward(fake_flash):
+@pytest.mark.parametrize("max_seqlen_k", [300, 2**31, 2**32, 2**32 + 3], ids=str)
+def test_flash_paged_forward(fake_flash, max_seqlen_k):
+    """Issue 23 item 4: a loose max_seqlen_k (servers pass a static bound) is clamped to the block
+    table's width x block size; unclamped, the op's int narrowed 2**31 to a negative value and
+    2**32 to 0 (no kernel: zeros, lse +inf) and 2**32 + 3 to 3 (windows reset against it)."""
     bs, heads, dim = 256, 2, 16
     k_cache = torch.randn(4, bs, heads, dim, dtype=torch.float16)
     v_cache = torch.randn(4, bs, heads, dim, dtype=torch.float16)
@@ -563,14 +567,16 @@ def test_flash_paged_forward(fake_flash):
     used = torch.tensor([300, 7], dtype=torch.int32)
     q = torch.randn(3, heads, dim, dtype=torch.float16)
     cu_q = cu_of([2, 1])
-    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, 300, 0.0, None, True, (-1, -1), 0.0, None,
-                                     True, block_table, used, None)
+    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, max_seqlen_k, 0.0, None, True, (-1, -1),
+                                      0.0, None, True, block_table, used, None)
     call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
+    assert call.spec.max_seqlen_k == max_seqlen_k
     result = run(Backend.FLASH_VARLEN, call)
     k, v, cu_k = _gather_paged(k_cache, v_cache, block_table, [300, 7])
     ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
     assert_close_packed(result.out, ref_out, cu_seqlens=cu_q.tolist())
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    assert fake_flash.calls[0]["max_k"] == min(max_seqlen_k, 2 * bs)
 
 
 EFFICIENT_CASES = {

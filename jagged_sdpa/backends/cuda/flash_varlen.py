@@ -105,14 +105,22 @@ def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tens
 
 
 def kernel_max_seqlens(spec: AttnSpec, block_table_width: Optional[int] = None) -> tuple[int, int]:
-    """(max_seqlen_q, max_seqlen_k) as the ops get them: clamped to the packed totals. With a window,
+    """(max_seqlen_q, max_seqlen_k) as the ops get them.
+
+    Both are clamped to what the call can hold: the packed totals, or for a paged cache the block
+    table's width x block_size (total_k is the cache's capacity there, and a block table may name
+    a block twice). The op takes ``int64_t`` and ``mha_varlen_fwd`` narrows it to ``int``
+    (attention.cu -> flash_api.cpp): an unclamped bound of 2**31 became negative, and the op then
+    ran no kernel ("if (max_seqlen_k > 0)") and returned zeros with lse +inf. With a window,
     max_seqlen_k is raised to max_seqlen_q when that is larger, so that no rewrite of
     ``_window_kwargs`` cuts a row's keys; a larger max_seqlen_k only adds dK/dV programs that
     exit at once (flash_bwd_kernel.h: ``if (n_block * kBlockN >= binfo.actual_seqlen_k) return``).
     """
     max_q, max_k = cc.clamp_max_seqlens(spec)
     if spec.paged:
-        max_k = spec.max_seqlen_k  # total_k is the cache capacity there, not a packed total
+        max_k = spec.max_seqlen_k
+        if block_table_width is not None:
+            max_k = min(max_k, block_table_width * spec.block_size)
     if spec.has_window:
         max_k = max(max_k, max_q)
     return max_q, max_k

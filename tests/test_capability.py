@@ -245,6 +245,21 @@ def test_this_cpu_build_reports_why(monkeypatch):
         assert IMPLS[Backend.FLASH_VARLEN].reasons(cuda_spec()) == ("PyTorch built without CUDA (torch.version.cuda is None)",)
 
 
+@pytest.mark.parametrize("impl", [FlashVarlenBackend, EfficientBackend], ids=lambda i: i.backend.value)
+def test_cuda_grid_limits_are_reasons(impl):
+    """Issue 23 item 3: both kernels put the batch on a grid axis of at most 65535 (flash: y,
+    efficient: z) and the heads on the other; beyond, the launch fails ("invalid configuration
+    argument"), so the call goes to a backend that takes it."""
+    many = cuda_spec(batch=65536, total_q=65536 * 3, total_k=65536 * 3, max_seqlen_q=3, max_seqlen_k=3)
+    assert has(impl.reasons(many), "batch 65536 > 65535 sequences"), impl.reasons(many)
+    assert impl.reasons(many.replace(batch=65535)) == ()
+    assert has(impl.reasons(cuda_spec(heads_q=65536, heads_kv=65536)), "heads_q 65536 > 65535")
+    explanation = select(many)
+    assert explanation.chosen == Backend.MATH
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT, Backend.TRITON):
+        assert has(explanation.reasons[backend], "65535"), explanation.reasons[backend]
+
+
 def test_selection_prefers_flash_then_efficient():
     assert select(cuda_spec()).chosen == Backend.FLASH_VARLEN
     top_left = select(cuda_spec(entry="sdpa", alignment="top_left", needs_grad=True))

@@ -122,6 +122,9 @@ class EfficientBackend(BackendImpl):
                    "sliding windows; use is_causal or right=0")
         if spec.seqused_k and spec.needs_grad:
             yield "seqused_k with a gradient needed - aten._efficient_attention_backward takes no seqlen_k"
+        yield from cc.launch_grid_reasons(
+            spec, "efficient", "grid(query blocks, Hq, B) (mem_eff_attention/kernel_forward.h getBlocksGrid; "
+            "the backward's (key splits, Hq, B), kernel_backward.h)")
         mask, window = mask_arguments(spec)
         if window is not None and mask == MASK_CAUSAL_BOTTOM_RIGHT and spec.needs_grad:
             # xformers' cutlass.py keeps bottom-right local masks out of this backward ("still

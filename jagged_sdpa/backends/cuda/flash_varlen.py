@@ -173,6 +173,9 @@ class FlashVarlenBackend(BackendImpl):
                 yield f"dropout_p {spec.dropout_p:g} with a paged kv cache - flash's split-kv kernel has no dropout"
         if (why := _training_head_dim_reason(spec)) is not None:
             yield why
+        yield from cc.launch_grid_reasons(
+            spec, "flash", "grid(num_m_block, B, Hq) (flash_fwd_launch_template.h; the backward's "
+            "grid_n/grid_m likewise, flash_bwd_launch_template.h)")
         # Training forces the lse on (``ops._attention``), which can make the forward pass a window.
         # (For a paged cache the spec does not know the block table's width: its max_seqlen_k is
         # an upper bound of the run's, which can only keep more window sides.)

@@ -608,6 +608,18 @@ def test_efficient_marshalling(fake_efficient, case):
 
 
 @pytest.mark.usefixtures("available")
+def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
+    """The budget of issue 23 item 6 counts the lse the op returns (the fake's, attention.cu's shape)."""
+    from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes
+
+    call = varlen_call([40, 1, 3], [5, 9, 33], 4, 2, 16, causal=True, requires_grad=False)
+    call = call.replace(spec=call.spec.replace(max_seqlen_q=2**40))   # a loose bound, clamped to total_q
+    run(Backend.EFFICIENT, call)
+    shape = fake_efficient.calls[0]["shape"]
+    assert tuple(shape) == (3, 4, 64) and padded_lse_bytes(call.spec) == 3 * 4 * 64 * 4
+
+
+@pytest.mark.usefixtures("available")
 def test_efficient_seqused_k_forward(fake_efficient):
     used = torch.tensor([3, 0, 5], dtype=torch.int32)
     call = varlen_call([2, 3, 4], [4, 2, 6], 2, 2, 16, causal=True, seqused_k=used, requires_grad=False)

@@ -164,6 +164,14 @@ def _assert_kernel_tensor(t):
     assert cc.is_kernel_aligned(t), "tensor handed to a kernel is not 16-byte aligned"
 
 
+def _launch(batch, heads):
+    """Both kernels launch the batch and the heads on grid axes y/z (flash: grid(num_m_block, b, h),
+    flash_fwd_launch_template.h / flash_bwd_launch_template.h; efficient: (blocks, heads, batches),
+    mem_eff_attention/kernel_forward.h and kernel_backward.h getBlocksGrid), which hold 65535."""
+    if batch > 65535 or heads > 65535:
+        raise RuntimeError("CUDA error: invalid configuration argument")
+
+
 def c_int(x: int) -> int:
     """An int64 narrowed to C++ ``int``: attention.cu's ``_flash_attention_forward`` takes
     ``int64_t max_seqlen_batch_q/_k`` (and windows) and hands them to flash_api.cpp's
@@ -229,6 +237,7 @@ class FakeFlash:
             assert cu.dtype == torch.int32 and cu.is_contiguous()
         assert isinstance(max_q, int) and isinstance(max_k, int) and scale is not None
         assert not return_debug_mask
+        _launch(cu_q.numel() - 1, q.shape[1])
         if alibi_slopes is not None:  # PyTorch builds its flash kernel with FLASHATTENTION_DISABLE_ALIBI
             raise RuntimeError("This flash attention build does not support alibi.")
         self.calls.append({"window": (window_size_left, window_size_right), "max_k": max_k, "max_q": max_q,
@@ -266,6 +275,7 @@ class FakeFlash:
         for t in (grad_out, q, k, v, out):
             _assert_kernel_tensor(t)
         assert grad_out.shape == out.shape == q.shape[:2] + (v.shape[-1],)
+        _launch(cu_q.numel() - 1, q.shape[1])
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
         assert not torch.isneginf(lse).any(), "empty rows must reach the flash backward as +inf"
         assert rng_state is self.calls[-1]["rng_state"], "the forward's rng_state must come back"
@@ -307,6 +317,7 @@ class FakeEfficient:
     def forward(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type, compute_log_sumexp,
                 *, scale=None, seqlen_k=None, window_size=None):
         assert bias is None
+        _launch(cu_q.numel() - 1, q.shape[2])
         for t in (q, k, v):
             assert t.dim() == 4 and t.shape[0] == 1
             _assert_kernel_tensor(t)
@@ -334,6 +345,7 @@ class FakeEfficient:
                  philox_offset, custom_mask_type, bias_requires_grad, *, scale=None, num_splits_key=None,
                  window_size=None, shared_storage_dqdkdv=False):
         assert bias is None and not bias_requires_grad
+        _launch(cu_q.numel() - 1, q.shape[2])
         for t in (grad_out, q, k, v, out):
             assert t.dim() == 4 and t.shape[0] == 1
             _assert_kernel_tensor(t)
@@ -617,6 +629,22 @@ def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
     run(Backend.EFFICIENT, call)
     shape = fake_efficient.calls[0]["shape"]
     assert tuple(shape) == (3, 4, 64) and padded_lse_bytes(call.spec) == 3 * 4 * 64 * 4
+
+
+@pytest.mark.usefixtures("available")
+def test_more_sequences_than_the_grid_holds_are_refused_not_launched(fake_flash, fake_efficient):
+    """Issue 23 item 3: 65536 one-token sequences. The ops fail at launch (the fakes, as the
+    kernels' grids do); selection refuses both with the reason and takes a backend that can."""
+    from jagged_sdpa.selection import select
+
+    call = varlen_call([1] * 65536, [1] * 65536, 2, 2, 16, requires_grad=False)
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
+        with pytest.raises(RuntimeError, match="invalid configuration argument"):
+            run(backend, call)
+    explanation = select(call.spec)
+    assert explanation.chosen == Backend.MATH
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
+        assert any("batch 65536 > 65535 sequences" in r for r in explanation.reasons[backend])
 
 
 @pytest.mark.usefixtures("available")

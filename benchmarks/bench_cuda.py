@@ -4,7 +4,8 @@
 
 Batches are realistic and ragged: bf16, log-normal sequence lengths (median 1k, at most 8k),
 16k-64k tokens, H = 16..32 (with a GQA case), D = 64/128, causal prefill; plus a decode batch (one
-query per sequence against long KV). Every implementation is timed interleaved (one call of each
+query per sequence against long KV), run again with the static max_seqlen bounds servers and CUDA
+graphs pass (131072: the library clamps them, issue 23). Every implementation is timed interleaved (one call of each
 per round, CUDA events around each call) and the median is reported, forward and forward+backward,
 with TFLOP/s from the exact number of visible (query, key) pairs (backward counted as 2.5x the
 forward, the flash-attn convention). A last table gives the host time per call of our
@@ -39,6 +40,7 @@ PREFILL = [
 ]
 DECODE = ("decode B64 H32/8 D128 ctx~2k", 32, 8, 128, 64)
 OURS = ("flash_varlen", "efficient", "triton")
+STATIC_BOUND = 131072  # a server's max_seqlen_q/_k for every decode step, whatever the batch holds
 
 
 def lognormal_lengths(total: int, median: int, longest: int, gen: torch.Generator) -> list[int]:
@@ -69,8 +71,9 @@ def visible_pairs(lengths_q, lengths_k, causal: bool) -> int:
 class Problem:
     """One batch in every layout the implementations take, allocated once."""
 
-    def __init__(self, lengths_q, lengths_k, heads_q, heads_kv, dim, causal, dtype=torch.bfloat16):
+    def __init__(self, lengths_q, lengths_k, heads_q, heads_kv, dim, causal, dtype=torch.bfloat16, bounds=None):
         dev = "cuda"
+        self.bounds = bounds  # (max_seqlen_q, max_seqlen_k) our calls pass, else the true ones
         self.lengths_q, self.lengths_k, self.causal = lengths_q, lengths_k, causal
         self.heads_q, self.heads_kv, self.dim = heads_q, heads_kv, dim
         self.q = torch.randn(sum(lengths_q), heads_q, dim, device=dev, dtype=dtype, requires_grad=True)
@@ -82,9 +85,11 @@ class Problem:
         self.flops_fwd = 4 * visible_pairs(lengths_q, lengths_k, causal) * heads_q * dim
 
     def ours(self, backend):
+        max_q, max_k = self.bounds or (self.max_q, self.max_k)
+
         def call():
-            return jagged_sdpa.varlen_attention(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q,
-                                                self.max_k, causal=self.causal, backend=backend)
+            return jagged_sdpa.varlen_attention(self.q, self.k, self.v, self.cu_q, self.cu_k, max_q, max_k,
+                                                causal=self.causal, backend=backend)
         call()  # raises NoBackendError here, not inside the timing loop
         return call
 
@@ -268,6 +273,9 @@ def main(argv=None) -> int:
     contexts = [min(8192, max(16, int(2048 * math.exp(0.5 * torch.randn((), generator=gen).item()))))
                 for _ in range(batch)]
     bench_problem(name, Problem([1] * batch, contexts, hq, hkv, dim, causal=True), args.reps, rows)
+    bench_problem(f"{name} bounds {STATIC_BOUND}",
+                  Problem([1] * batch, contexts, hq, hkv, dim, causal=True, bounds=(STATIC_BOUND, STATIC_BOUND)),
+                  args.reps, rows)
     overhead = host_overhead(200)
     print_tables(rows, overhead, torch.cuda.get_device_name())
     if args.json:

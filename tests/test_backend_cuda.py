@@ -30,10 +30,10 @@ import jagged_sdpa
 from jagged_sdpa import api
 from jagged_sdpa.ops import run
 from jagged_sdpa.backends import Backend
-from jagged_sdpa.backends import cuda_common as cc
-from jagged_sdpa.backends import flash_varlen
-from jagged_sdpa.backends.efficient import EfficientBackend
-from jagged_sdpa.backends.flash_varlen import FlashVarlenBackend
+from jagged_sdpa.backends.cuda import common as cc
+from jagged_sdpa.backends.cuda import flash_varlen
+from jagged_sdpa.backends.cuda.efficient import EfficientBackend
+from jagged_sdpa.backends.cuda.flash_varlen import FlashVarlenBackend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +164,63 @@ def _assert_kernel_tensor(t):
     assert cc.is_kernel_aligned(t), "tensor handed to a kernel is not 16-byte aligned"
 
 
+def _launch(batch, heads):
+    """Both kernels launch the batch and the heads on grid axes y/z (flash: grid(num_m_block, b, h),
+    flash_fwd_launch_template.h / flash_bwd_launch_template.h; efficient: (blocks, heads, batches),
+    mem_eff_attention/kernel_forward.h and kernel_backward.h getBlocksGrid), which hold 65535."""
+    if batch > 65535 or heads > 65535:
+        raise RuntimeError("CUDA error: invalid configuration argument")
+
+
+def c_int(x: int) -> int:
+    """An int64 narrowed to C++ ``int``: attention.cu's ``_flash_attention_forward`` takes
+    ``int64_t max_seqlen_batch_q/_k`` (and windows) and hands them to flash_api.cpp's
+    ``mha_varlen_fwd(..., int max_seqlen_q, const int max_seqlen_k, ...)``."""
+    return (int(x) + 2**31) % 2**32 - 2**31
+
+
+def flash_kernel_window(max_q, max_k, is_causal, left, right, *, forward=True, alibi=False):
+    """The (left, right) window the flash kernel applies, bottom-right, -1 = unbounded (both -1:
+    no mask), from the op's arguments, by PyTorch's flash_api.cpp, in its order:
+
+    - ``mha_varlen_fwd`` only: ``if (max_seqlen_q == 1 && !alibi_slopes_.has_value()) is_causal = false``;
+    - ``mha_varlen_fwd``/``mha_varlen_bwd``: ``if (is_causal) window_size_right = 0``;
+    - then ``if (window_size_left >= max_seqlen_k) window_size_left = -1`` and the same for the right;
+    - ``set_params_fprop``: ``params.is_causal = window_size_left < 0 && window_size_right == 0``, then
+      ``if (window_size_left < 0 && window_size_right >= 0) window_size_left = seqlen_k`` and
+      ``if (window_size_left >= 0 && window_size_right < 0) window_size_right = seqlen_k``
+      (seqlen_k is max_seqlen_k);
+    - the kernels (flash_fwd_launch_template.h ``Is_local = window_size_left >= 0 ||
+      window_size_right >= 0``, which wins over ``Is_causal``; flash_fwd_kernel.h/mask.h) keep key j of
+      row i when ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``.
+    """
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    if forward and max_q == 1 and not alibi:
+        is_causal = False
+    if is_causal:
+        right = 0
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    return left, right
+
+
+def flash_gqa_swapped(max_q, heads_q, heads_kv, dropout_p, head_dim, alibi, window):
+    """mha_varlen_fwd's ``seqlenq_ngroups_swapped`` (after the is_causal rules, before the
+    window reset): one query per sequence, GQA, no window, no dropout, no ALiBi."""
+    left, right = window
+    return (max_q == 1 and heads_q > heads_kv and left < 0 and right < 0 and dropout_p == 0
+            and head_dim % 8 == 0 and not alibi)
+
+
 class FakeFlash:
-    """aten._flash_attention_forward/backward as flash_api.cpp's mha_varlen_fwd/bwd behave."""
+    """aten._flash_attention_forward/backward as flash_api.cpp's mha_varlen_fwd/bwd behave: the
+    window rewrites (``flash_kernel_window``), max_seqlen_* narrowed to int, no kernel for
+    max_seqlen_k <= 0 (zeros, lse +inf), and the GQA decode head folding with its lse layout."""
 
     def __init__(self):
         self.calls = []
@@ -182,27 +237,37 @@ class FakeFlash:
             assert cu.dtype == torch.int32 and cu.is_contiguous()
         assert isinstance(max_q, int) and isinstance(max_k, int) and scale is not None
         assert not return_debug_mask
+        _launch(cu_q.numel() - 1, q.shape[1])
         if alibi_slopes is not None:  # PyTorch builds its flash kernel with FLASHATTENTION_DISABLE_ALIBI
             raise RuntimeError("This flash attention build does not support alibi.")
+        self.calls.append({"window": (window_size_left, window_size_right), "max_k": max_k, "max_q": max_q,
+                           "seqused": seqused_k is not None, "alibi": False})
+        max_q, max_k = c_int(max_q), c_int(max_k)
         lengths_q = _lengths(cu_q)
         assert max(lengths_q, default=0) <= max_q
+        heads_q, heads_kv = q.shape[1], (k.shape[2] if block_table is not None else k.shape[1])
+        causal_kept = is_causal and max_q != 1  # the first two rules, before the swap test
+        pre_reset = (-1 if window_size_left is None else window_size_left,
+                     0 if causal_kept else (-1 if window_size_right is None else window_size_right))
+        swapped = flash_gqa_swapped(max_q, heads_q, heads_kv, dropout_p, width, False, pre_reset)
+        if swapped and q.shape[0] != cu_q.numel() - 1:
+            raise RuntimeError("shape '[B, Hkv, G, D]' is invalid for input")  # q.reshape in mha_varlen_fwd
         if block_table is not None:
             assert seqused_k is not None and k.shape[1] % 256 == 0
             k, v, cu_k = _gather_paged(k, v, block_table, seqused_k.tolist())
-        left = -1 if window_size_left is None or window_size_left >= max_k else window_size_left
-        right = -1 if window_size_right is None or window_size_right >= max_k else window_size_right
-        if is_causal:
-            right = 0
-        window = (left, right)
-        causal = window == (-1, 0)  # set_params_fprop: is_causal = left < 0 && right == 0
-        if causal:
-            window = (-1, -1)
-        out, lse = attention_reference(q, k, v, cu_q, cu_k, scale=scale, causal=causal, alignment="bottom_right",
-                                       window=window, alibi_slopes=alibi_slopes, seqused_k=seqused_k)
-        lse = lse.float().masked_fill(torch.isneginf(lse), math.inf)
+        left, right = flash_kernel_window(max_q, max_k, is_causal, window_size_left, window_size_right)
+        if max_k > 0:
+            out, lse = attention_reference(q, k, v, cu_q, cu_k, scale=scale, causal=False, alignment="bottom_right",
+                                           window=(left, right), seqused_k=seqused_k)
+            lse = lse.float().masked_fill(torch.isneginf(lse), math.inf)
+        else:  # "If seqlen_k == 0, then we have an empty tensor": out.zero_(), lse.fill_(inf)
+            out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=torch.float64)
+            lse = torch.full((heads_q, q.shape[0]), math.inf)
+        if swapped:  # softmax_lse.reshape({num_heads * max_seqlen_q, batch_size}) of (Hkv, B * G)
+            group = heads_q // heads_kv
+            lse = lse.view(heads_kv, group, -1).transpose(1, 2).reshape(heads_q, -1)
         rng_state = torch.tensor([1234, len(self.calls)], dtype=torch.int64)
-        self.calls.append({"window": (window_size_left, window_size_right), "rng_state": rng_state,
-                           "alibi": alibi_slopes is not None, "seqused": seqused_k is not None})
+        self.calls[-1]["rng_state"] = rng_state
         return out.to(q.dtype), lse, rng_state, torch.empty(()), torch.empty(0)
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
@@ -210,16 +275,17 @@ class FakeFlash:
         for t in (grad_out, q, k, v, out):
             _assert_kernel_tensor(t)
         assert grad_out.shape == out.shape == q.shape[:2] + (v.shape[-1],)
+        _launch(cu_q.numel() - 1, q.shape[1])
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
         assert not torch.isneginf(lse).any(), "empty rows must reach the flash backward as +inf"
         assert rng_state is self.calls[-1]["rng_state"], "the forward's rng_state must come back"
         assert (window_size_left, window_size_right) == self.calls[-1]["window"]
-        left = -1 if window_size_left is None or window_size_left >= max_k else window_size_left
-        right = -1 if window_size_right is None or window_size_right >= max_k else window_size_right
-        window = (left, 0 if is_causal else right)
-        causal = window == (-1, 0)
-        return _reference_grads(grad_out, q, k, v, cu_q, cu_k, scale=scale, causal=causal,
-                                alignment="bottom_right", window=(-1, -1) if causal else window)
+        assert (max_q, max_k) == (self.calls[-1]["max_q"], self.calls[-1]["max_k"])
+        max_q, max_k = c_int(max_q), c_int(max_k)
+        left, right = flash_kernel_window(max_q, max_k, is_causal, window_size_left, window_size_right,
+                                          forward=False)
+        return _reference_grads(grad_out, q, k, v, cu_q, cu_k, scale=scale, causal=False,
+                                alignment="bottom_right", window=(left, right))
 
 
 def _reference_grads(grad_out, q, k, v, cu_q, cu_k, **options):
@@ -251,6 +317,7 @@ class FakeEfficient:
     def forward(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type, compute_log_sumexp,
                 *, scale=None, seqlen_k=None, window_size=None):
         assert bias is None
+        _launch(cu_q.numel() - 1, q.shape[2])
         for t in (q, k, v):
             assert t.dim() == 4 and t.shape[0] == 1
             _assert_kernel_tensor(t)
@@ -278,6 +345,7 @@ class FakeEfficient:
                  philox_offset, custom_mask_type, bias_requires_grad, *, scale=None, num_splits_key=None,
                  window_size=None, shared_storage_dqdkdv=False):
         assert bias is None and not bias_requires_grad
+        _launch(cu_q.numel() - 1, q.shape[2])
         for t in (grad_out, q, k, v, out):
             assert t.dim() == 4 and t.shape[0] == 1
             _assert_kernel_tensor(t)
@@ -391,11 +459,103 @@ def test_flash_marshalling(fake_flash, case):
     assert len(fake_flash.calls) == 1
 
 
+# issue 23 item 1: flash's two window rewrites, Lq = 6, Lk = 2 (max_seqlen_k 2). "applied" is what
+# flash_api.cpp makes of the window when it is passed through unchanged; "rows" are the rows whose
+# keys then differ from API.md's window.
+ISSUE_23_WINDOWS = {
+    (1, -1): {"applied": (1, 2), "rows": [0, 1, 2]},
+    (-1, 2): {"applied": (-1, -1), "rows": [0, 1, 2]},
+    (1, 3): {"applied": (1, 2), "rows": [1, 2]},
+    (0, 5): {"applied": (0, 2), "rows": [0, 1, 2]},
+}
+
+
+def _row_keys(len_q, len_k, i, causal, window):
+    """The keys row i sees, bottom-right (API.md): a range, as a tuple (empty when none)."""
+    pos = i + len_k - len_q
+    lo = 0 if window[0] < 0 else max(0, pos - window[0])
+    hi = len_k - 1
+    if causal:
+        hi = min(hi, pos)
+    if window[1] >= 0:
+        hi = min(hi, pos + window[1])
+    return (lo, hi) if lo <= hi else ()
+
+
+@pytest.mark.parametrize("window", ISSUE_23_WINDOWS, ids=str)
+def test_flash_model_reproduces_the_issue_23_rewrites(window):
+    """The fake's rules, given the window unchanged (what FLASH_VARLEN passed before issue 23),
+    give the windows and the wrong rows the issue emulated."""
+    applied = flash_kernel_window(6, 2, False, *window)
+    assert applied == ISSUE_23_WINDOWS[window]["applied"]
+    wrong = [i for i in range(6) if _row_keys(6, 2, i, False, window) != _row_keys(6, 2, i, False, applied)]
+    assert wrong == ISSUE_23_WINDOWS[window]["rows"]
+    backward = flash_kernel_window(6, 2, False, *window, forward=False)
+    assert backward == applied  # mha_varlen_bwd applies the same rewrites
+
+
+@pytest.mark.usefixtures("available")
+@pytest.mark.parametrize("window", ISSUE_23_WINDOWS, ids=str)
+def test_flash_window_survives_the_op_rewrites(fake_flash, window):
+    """Forward and backward of the issue's cases through the fake op match API.md's window."""
+    call = varlen_call([6, 3], [2, 2], 2, 2, 16, window_size=window)
+    check_against_reference(FlashVarlenBackend, call)
+    max_q, max_k = fake_flash.calls[0]["max_q"], fake_flash.calls[0]["max_k"]
+    assert (max_q, max_k) == (6, 6)
+    assert any("max_seqlen_k passed as 6" in n for n in FlashVarlenBackend.plan_notes(call.spec))
+
+
+def test_flash_window_arguments_give_the_contract_mask_everywhere():
+    """Every small batch shape, window and causal flag: what the ops make of the arguments
+    FLASH_VARLEN passes (``flash_kernel_window``, forward and backward rules) keeps, row by row,
+    the keys API.md's window keeps."""
+    from test_capability import cuda_spec
+
+    sides = (-1, 0, 1, 2, 3, 5, 8)
+    shapes = [(lq, lk) for lq in range(8) for lk in range(8)]
+    for other, slack in (((0, 0), 0), ((7, 1), 0), ((1, 7), 0), ((2, 3), 4)):   # slack: loose max bounds
+        for len_q, len_k in shapes:
+            lengths = [(len_q, len_k), other]
+            max_q, max_k = max(len_q, other[0]) + slack, max(len_k, other[1]) + slack
+            for causal in (False, True):
+                for window in ((left, right) for left in sides for right in sides):
+                    window = tuple(-1 if s >= max_q + max_k else s for s in window)  # effective_window
+                    if window == (-1, -1):
+                        continue
+                    spec = cuda_spec(causal=causal, window=window, batch=2, total_q=len_q + other[0],
+                                     total_k=len_k + other[1], max_seqlen_q=max_q, max_seqlen_k=max_k)
+                    kernel_q, kernel_k = flash_varlen.kernel_max_seqlens(spec)
+                    kwargs = flash_varlen._window_kwargs(spec, kernel_k)
+                    args = (kwargs.get("window_size_left"), kwargs.get("window_size_right"))
+                    for forward in (True, False):
+                        applied = flash_kernel_window(kernel_q, kernel_k, causal, *args, forward=forward)
+                        for lq, lk in lengths:
+                            for i in range(lq):
+                                want = _row_keys(lq, lk, i, causal, window)
+                                got = _row_keys(lq, lk, i, False, applied)
+                                assert got == want, (lengths, causal, window, args, applied, forward, i)
+
+
 @pytest.mark.usefixtures("available")
 def test_flash_gqa_decode_with_lse_avoids_head_folding(fake_flash):
     call = varlen_call([1, 1, 0], [5, 9, 3], 8, 2, 16, causal=True, requires_grad=False)
     check_against_reference(FlashVarlenBackend, call)
     assert fake_flash.calls[0]["window"] == (9, -1)
+
+
+@pytest.mark.usefixtures("available")
+def test_fake_flash_models_the_gqa_head_folding(fake_flash, monkeypatch):
+    """Without the window argument, the fake folds GQA decode heads as mha_varlen_fwd does: the
+    reshape fails when a sequence has no query, and the lse comes back in the folded layout."""
+    monkeypatch.setattr(flash_varlen, "_window_kwargs", lambda spec, max_k: {})
+    with pytest.raises(RuntimeError, match="invalid for input"):
+        run(Backend.FLASH_VARLEN, varlen_call([1, 1, 0], [5, 9, 3], 8, 2, 16, causal=True, requires_grad=False))
+    call = varlen_call([1, 1, 1], [5, 9, 3], 8, 2, 16, causal=True, requires_grad=False)
+    result = run(Backend.FLASH_VARLEN, call)
+    ref_out, ref_lse = attention_reference(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
+                                           scale=call.spec.scale, causal=True, alignment="bottom_right")
+    assert_close_packed(result.out, ref_out, cu_seqlens=call.cu_seqlens_q.tolist())
+    assert not torch.allclose(result.lse.double(), ref_lse, atol=1e-3)   # (Hkv * G, B) of (Hkv, B * G)
 
 
 @pytest.mark.usefixtures("available")
@@ -407,7 +567,11 @@ def test_flash_seqused_k_forward(fake_flash):
 
 
 @pytest.mark.usefixtures("available")
-def test_flash_paged_forward(fake_flash):
+@pytest.mark.parametrize("max_seqlen_k", [300, 2**31, 2**32, 2**32 + 3], ids=str)
+def test_flash_paged_forward(fake_flash, max_seqlen_k):
+    """Issue 23 item 4: a loose max_seqlen_k (servers pass a static bound) is clamped to the block
+    table's width x block size; unclamped, the op's int narrowed 2**31 to a negative value and
+    2**32 to 0 (no kernel: zeros, lse +inf) and 2**32 + 3 to 3 (windows reset against it)."""
     bs, heads, dim = 256, 2, 16
     k_cache = torch.randn(4, bs, heads, dim, dtype=torch.float16)
     v_cache = torch.randn(4, bs, heads, dim, dtype=torch.float16)
@@ -415,14 +579,16 @@ def test_flash_paged_forward(fake_flash):
     used = torch.tensor([300, 7], dtype=torch.int32)
     q = torch.randn(3, heads, dim, dtype=torch.float16)
     cu_q = cu_of([2, 1])
-    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, 300, 0.0, None, True, (-1, -1), 0.0, None,
-                                     True, block_table, used, None)
+    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, max_seqlen_k, 0.0, None, True, (-1, -1),
+                                      0.0, None, True, block_table, used, None)
     call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
+    assert call.spec.max_seqlen_k == max_seqlen_k
     result = run(Backend.FLASH_VARLEN, call)
     k, v, cu_k = _gather_paged(k_cache, v_cache, block_table, [300, 7])
     ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
     assert_close_packed(result.out, ref_out, cu_seqlens=cu_q.tolist())
     torch.testing.assert_close(result.lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    assert fake_flash.calls[0]["max_k"] == min(max_seqlen_k, 2 * bs)
 
 
 EFFICIENT_CASES = {
@@ -451,6 +617,34 @@ def test_efficient_marshalling(fake_efficient, case):
     call = call.replace(spec=call.spec.replace(alignment=alignment))
     result = check_against_reference(EfficientBackend, call, alignment=alignment)
     assert not torch.isnan(result.out).any()
+
+
+@pytest.mark.usefixtures("available")
+def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
+    """The budget of issue 23 item 6 counts the lse the op returns (the fake's, attention.cu's shape)."""
+    from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes
+
+    call = varlen_call([40, 1, 3], [5, 9, 33], 4, 2, 16, causal=True, requires_grad=False)
+    call = call.replace(spec=call.spec.replace(max_seqlen_q=2**40))   # a loose bound, clamped to total_q
+    run(Backend.EFFICIENT, call)
+    shape = fake_efficient.calls[0]["shape"]
+    assert tuple(shape) == (3, 4, 64) and padded_lse_bytes(call.spec) == 3 * 4 * 64 * 4
+
+
+@pytest.mark.usefixtures("available")
+def test_more_sequences_than_the_grid_holds_are_refused_not_launched(fake_flash, fake_efficient):
+    """Issue 23 item 3: 65536 one-token sequences. The ops fail at launch (the fakes, as the
+    kernels' grids do); selection refuses both with the reason and takes a backend that can."""
+    from jagged_sdpa.selection import select
+
+    call = varlen_call([1] * 65536, [1] * 65536, 2, 2, 16, requires_grad=False)
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
+        with pytest.raises(RuntimeError, match="invalid configuration argument"):
+            run(backend, call)
+    explanation = select(call.spec)
+    assert explanation.chosen == Backend.MATH
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
+        assert any("batch 65536 > 65535 sequences" in r for r in explanation.reasons[backend])
 
 
 @pytest.mark.usefixtures("available")
@@ -483,6 +677,10 @@ CUDA_OPTIONS = {
     "causal": {"causal": True},
     "window": {"window_size": (8, 0), "causal": True},
     "window-sym": {"window_size": (4, 4)},
+    # issue 23: sequences with more queries than max_seqlen_k + 1 (flash's window rewrites)
+    "window-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (1, 3)},
+    "window-left-only-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (1, -1)},
+    "window-right-only-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (-1, 2)},
     "gqa": {"gqa": 4, "causal": True},
     "d59": {"dim": 59},
     "dv40": {"dim_v": 40},

@@ -229,6 +229,13 @@ def _device_check_cases():
         ("add_cu", ("cu", cu([0, 3, 8]), 8, 4, "max"), False),                # longer than max
         ("add_cu", ("cu", cu(list(range(0, 3001, 1))), 3000, 1, "max"), True),  # several blocks
         ("add_cu", ("cu", cu(list(range(0, 3000, 1)) + [3002]), 3002, 1, "max"), False),
+        # issue 23: int32 differences of out-of-range offsets wrap to "valid" lengths (2**31 - 1,
+        # 6, 2**31 - 1, 6); sequence 1 would start at row 2**31 - 1 of a 10-row tensor
+        ("add_cu", ("cu", cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 10, 2**31 - 1, "max"), False),
+        ("add_cu", ("cu", cu([0, 2**63 - 1, -2**63 + 5, 4, 10], torch.int64), 10, 2**63 - 1, "max"), False),
+        ("add_cu", ("cu", cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 10, 10, "max"), False),
+        ("add_cu", ("cu", cu([0, 11, 10]), 10, 20, "max"), False),              # past the total
+        ("add_lengths", ("used", cu([4, 0, 9, 1]), cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 9), False),
         ("add_lengths", ("used", cu([4, 0, 9]), cu([0, 8, 8, 24]), 9), True),
         ("add_lengths", ("used", cu([4, 1, 9]), cu([0, 8, 8, 24]), 9), False),  # above its capacity
         ("add_lengths", ("used", cu([4, -1, 9]), 16, 9), False),
@@ -253,6 +260,11 @@ def test_device_checks_triton_form_agrees_with_torch_ops():
         getattr(checks, adder)(*args)
         assert bool(device._flags_torch(checks).all()) == ok, (adder, args)
         assert bool(device._flags_triton(checks, kernels).all()) == ok, (adder, args)
+    wrapped = device.DeviceChecks()   # issue 23's case, queued as a call queues it: a clear error
+    wrapped.add_cu("cu_seqlens_q", torch.tensor([0, 2**31 - 1, -2**31 + 5, 4, 10], dtype=torch.int32), 10,
+                   2**31 - 1, "max_seqlen_q")
+    with pytest.raises(RuntimeError, match="bad cu_seqlens_q: offsets must start at 0, not decrease, stay within"):
+        wrapped.queue()
     both = device.DeviceChecks()
     for adder, args, _ in _device_check_cases()[:3]:
         getattr(both, adder)(*args)
@@ -331,6 +343,65 @@ def test_paged_decode_uses_split_k_and_explains_it():
                                      alignment="bottom_right")
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
     assert_close_lse(lse, ref_lse)
+
+
+def _spy_launches(monkeypatch):
+    """Record the spec each launcher gets, asserting first that its max lengths fit the call (an
+    unclamped 2**35 would launch cdiv(2**35, BLOCK_M) programs: under the interpreter, forever)."""
+    from jagged_sdpa.backends.triton import bwd, fwd
+
+    seen = []
+
+    def spy(name, launch):
+        def launched(call, *args, **kwargs):
+            spec = call.spec
+            seen.append((name, spec.max_seqlen_q, spec.max_seqlen_k, kwargs))
+            assert spec.max_seqlen_q <= spec.total_q and (spec.paged or spec.max_seqlen_k <= spec.total_k), spec
+            return launch(call, *args, **kwargs)
+        return launched
+
+    monkeypatch.setattr(fwd, "launch_fwd", spy("fwd", fwd.launch_fwd))
+    monkeypatch.setattr(bwd, "launch_bwd", spy("bwd", bwd.launch_bwd))
+    return seen
+
+
+def test_static_max_seqlen_q_bound_gets_the_decode_plan(monkeypatch):
+    """Issue 23 item 5: a decode step called with a static bound (131072, as servers and CUDA graphs
+    pass) is planned from min(bound, total_q): split-K and GQA packing, as with the true bound."""
+    seen = _spy_launches(monkeypatch)
+    lens_q, lens_k, hq, hkv, d = [1, 1, 1], [300, 261, 5], 4, 1, 16
+    q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, d, torch.float32)
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    args = (q, k, v, cu_q, cu_k, 131072, 131072)
+    explanation = jagged_sdpa.explain(*args, causal=True, backend="triton")
+    assert any("split-k decode over" in note for note in explanation.notes), str(explanation)
+    assert any("query heads of each kv head share one tile (max_seqlen_q 3 <= 16)" in note
+               for note in explanation.notes), str(explanation)
+    out, lse = jagged_sdpa.varlen_attention(*args, causal=True, return_lse=True, backend="triton")
+    (_, max_q, max_k, launch), = seen
+    assert (max_q, max_k) == (3, 566) and launch["num_splits"] > 1 and launch["pack_gqa"]
+    ref_out, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_max_seqlen_bounds_past_the_grid_are_clamped(monkeypatch):
+    """Issue 23 item 5: bounds around 2**35 made a grid no GPU launches; forward and backward now
+    launch from the packed totals and match the reference."""
+    seen = _spy_launches(monkeypatch)
+    lens_q, lens_k = [5, 3, 0], [4, 6, 2]
+    q, k, v = _tensors(lens_q, lens_k, 2, 1, 16, 16, torch.float32)
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 2**35, 2**35 + 1, causal=True, backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert [(name, max_q, max_k) for name, max_q, max_k, _ in seen] == [("fwd", 8, 12), ("bwd", 8, 12)]
+    ref_out, _, ref_grads = _reference(q, k, v, cu_q, cu_k, grad_out, causal=True, alignment="bottom_right")
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    for name, x, ref, cu in (("dq", q, ref_grads[0], cu_q), ("dk", k, ref_grads[1], cu_k), ("dv", v, ref_grads[2], cu_k)):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
 
 
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "gqa-packed"])

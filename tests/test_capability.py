@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from jagged_sdpa.backends import IMPLS, Backend
-from jagged_sdpa.backends import cuda_common as cc
-from jagged_sdpa.backends.efficient import EfficientBackend, mask_arguments
-from jagged_sdpa.backends.flash_varlen import FlashVarlenBackend
+from jagged_sdpa.backends.cuda import common as cc
+from jagged_sdpa.backends.cuda.efficient import EfficientBackend, mask_arguments
+from jagged_sdpa.backends.cuda.flash_varlen import FlashVarlenBackend
 from jagged_sdpa.selection import select
 from jagged_sdpa.spec import AttnSpec
 
@@ -208,7 +208,7 @@ def test_efficient_mask_arguments(changes, expected):
 
 @pytest.fixture
 def fresh_probes():
-    from jagged_sdpa.backends import flash_varlen
+    from jagged_sdpa.backends.cuda import flash_varlen
 
     for probe in (cc.cuda_unavailable_reason, flash_varlen._flash_build_reason):
         probe.cache_clear()
@@ -219,7 +219,7 @@ def fresh_probes():
 
 @pytest.mark.usefixtures("fresh_probes")
 def test_availability_reasons(monkeypatch):
-    from jagged_sdpa.backends import flash_varlen
+    from jagged_sdpa.backends.cuda import flash_varlen
 
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
@@ -243,6 +243,51 @@ def test_this_cpu_build_reports_why(monkeypatch):
     monkeypatch.undo()
     if torch.version.cuda is None:
         assert IMPLS[Backend.FLASH_VARLEN].reasons(cuda_spec()) == ("PyTorch built without CUDA (torch.version.cuda is None)",)
+
+
+@pytest.mark.parametrize("impl", [FlashVarlenBackend, EfficientBackend], ids=lambda i: i.backend.value)
+def test_cuda_grid_limits_are_reasons(impl):
+    """Issue 23 item 3: both kernels put the batch on a grid axis of at most 65535 (flash: y,
+    efficient: z) and the heads on the other; beyond, the launch fails ("invalid configuration
+    argument"), so the call goes to a backend that takes it."""
+    many = cuda_spec(batch=65536, total_q=65536 * 3, total_k=65536 * 3, max_seqlen_q=3, max_seqlen_k=3)
+    assert has(impl.reasons(many), "batch 65536 > 65535 sequences"), impl.reasons(many)
+    assert impl.reasons(many.replace(batch=65535)) == ()
+    assert has(impl.reasons(cuda_spec(heads_q=65536, heads_kv=65536)), "heads_q 65536 > 65535")
+    explanation = select(many)
+    assert explanation.chosen == Backend.MATH
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT, Backend.TRITON):
+        assert has(explanation.reasons[backend], "65535"), explanation.reasons[backend]
+
+
+def _long_tail(**changes):
+    """Issue 23 item 6: one 128k-token sequence and 1,000 of 100 tokens, Hq = 32, float32."""
+    total = 131072 + 1000 * 100
+    return cuda_spec(dtype=torch.float32, batch=1001, heads_q=32, heads_kv=32, total_q=total, total_k=total,
+                     max_seqlen_q=131072, max_seqlen_k=131072, **changes)
+
+
+def test_efficient_refuses_a_padded_lse_over_its_memory_budget():
+    from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes
+
+    spec = _long_tail(return_lse=True)
+    assert padded_lse_bytes(spec) == 1001 * 32 * 131072 * 4   # 16.8 GB
+    reasons = EfficientBackend.reasons(spec)
+    assert has(reasons, "lse of 16.8 GB - the efficient op pads it to (B, Hq, round32(max_seqlen_q)) = "
+                        "(1001, 32, 131072) float32, 568x the packed 29.6 MB"), reasons
+    assert has(EfficientBackend.reasons(_long_tail(needs_grad=True)), "lse of 16.8 GB")
+    assert EfficientBackend.reasons(_long_tail()) == ()                  # no lse asked: width 0
+    explanation = select(spec)                                           # float32: flash refuses too
+    assert explanation.chosen not in (Backend.FLASH_VARLEN, Backend.EFFICIENT)
+    assert has(explanation.reasons[Backend.EFFICIENT], "lse of 16.8 GB")
+    # Equal lengths, decode and modest tails stay: the padding is at most the floor or 4x ours.
+    assert efficient(return_lse=True, needs_grad=True) == ()
+    assert efficient(dtype=torch.float32, batch=4096, heads_q=32, heads_kv=8, total_q=4096, max_seqlen_q=1,
+                     max_seqlen_k=4096, total_k=4096 * 4096, return_lse=True) == ()
+    assert efficient(dtype=torch.float32, batch=64, heads_q=32, heads_kv=32, total_q=64 * 2048, total_k=64 * 2048,
+                     max_seqlen_q=4096, max_seqlen_k=4096, needs_grad=True) == ()
+    # A loose max_seqlen_q is clamped to total_q as the op gets it.
+    assert efficient(max_seqlen_q=2**40, return_lse=True) == ()
 
 
 def test_selection_prefers_flash_then_efficient():

@@ -7,9 +7,9 @@ devices it serves, so the order only matters where several can take a call.
 from __future__ import annotations
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.cpu_fused import CpuFusedBackend
-from jagged_sdpa.backends.efficient import EfficientBackend
-from jagged_sdpa.backends.flash_varlen import FlashVarlenBackend
+from jagged_sdpa.backends.cpu import CpuFusedBackend
+from jagged_sdpa.backends.cuda.efficient import EfficientBackend
+from jagged_sdpa.backends.cuda.flash_varlen import FlashVarlenBackend
 from jagged_sdpa.backends.math import MathBackend
 from jagged_sdpa.backends.triton import TritonBackend
 

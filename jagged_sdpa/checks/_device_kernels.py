@@ -1,6 +1,9 @@
 """Triton kernels of ``checks.device``: each writes 1 (ok) or 0 into its flag slot(s) of ``Ok``.
 
-Every load is masked to the tensor it reads; lengths are compared in the tensor's own integer type.
+Every load is masked to the tensor it reads. Offsets are widened to int64 before any difference is
+taken, and each one must lie in [0, total]: an int32 difference of out-of-range offsets wraps
+(``[0, 2**31 - 1, -2**31 + 5, 4, 10]`` has int32 lengths 2**31 - 1, 6, 2**31 - 1, 6, none negative), and
+int64 ones could wrap the same way near 2**63.
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ import triton.language as tl
 
 @triton.jit
 def cu_ok(Ok, slot, Cu, n_seq, total, max_len, BLOCK: tl.constexpr):
-    """Cu (n_seq + 1,): Cu[0] == 0, Cu[n_seq] == total, 0 <= Cu[b + 1] - Cu[b] <= max_len."""
+    """Cu (n_seq + 1,): Cu[0] == 0, Cu[n_seq] == total, 0 <= Cu[b] <= total for every b, and
+    0 <= Cu[b + 1] - Cu[b] <= max_len (in int64)."""
     bad = ((tl.load(Cu) != 0) | (tl.load(Cu + n_seq) != total)).to(tl.int32)
     for b0 in range(0, n_seq, BLOCK):
         offs = b0 + tl.arange(0, BLOCK)
         inside = offs < n_seq
-        n = tl.load(Cu + offs + 1, mask=inside, other=0) - tl.load(Cu + offs, mask=inside, other=0)
-        bad = bad | tl.max(((n < 0) | (n > max_len)).to(tl.int32), axis=0)
+        start = tl.load(Cu + offs, mask=inside, other=0).to(tl.int64)
+        end = tl.load(Cu + offs + 1, mask=inside, other=0).to(tl.int64)
+        n = end - start
+        out_of_range = (start < 0) | (start > total) | (end < 0) | (end > total)
+        bad = bad | tl.max((out_of_range | (n < 0) | (n > max_len)).to(tl.int32), axis=0)
     tl.store(Ok + slot, 1 - bad)
 
 
@@ -29,9 +36,10 @@ def lengths_ok(Ok, slot, Lengths, n_seq, CapCu, cap_fixed, max_len, CAP_FROM_CU:
     for b0 in range(0, n_seq, BLOCK):
         offs = b0 + tl.arange(0, BLOCK)
         inside = offs < n_seq
-        n = tl.load(Lengths + offs, mask=inside, other=0)
+        n = tl.load(Lengths + offs, mask=inside, other=0).to(tl.int64)
         if CAP_FROM_CU:
-            cap = tl.load(CapCu + offs + 1, mask=inside, other=0) - tl.load(CapCu + offs, mask=inside, other=0)
+            cap = (tl.load(CapCu + offs + 1, mask=inside, other=0).to(tl.int64)
+                   - tl.load(CapCu + offs, mask=inside, other=0).to(tl.int64))
         else:
             cap = cap_fixed
         bad = bad | tl.max(((n < 0) | (n > cap) | (n > max_len)).to(tl.int32), axis=0)

@@ -36,7 +36,8 @@ class DeviceChecks:
     block_ids: list = field(default_factory=list)  # (block_table, used, block_size, num_blocks)
 
     def add_cu(self, name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
-        """cu must start at 0, never decrease, end at ``total``; no length above ``max_seqlen``.
+        """cu must start at 0, never decrease, end at ``total``, every entry in [0, total]; no length
+        above ``max_seqlen`` (lengths taken in int64, so out-of-range offsets cannot wrap into range).
         The same tensor under the same bounds (self-attention) is checked once."""
         if not any(c is cu and t == total and m == max_seqlen for _, c, t, m, _ in self.cu):
             self.cu.append((name, cu, total, max_seqlen, max_name))
@@ -54,8 +55,9 @@ class DeviceChecks:
         """What failed, in the < 255 characters ``torch._assert_async`` accepts (CUDA refuses
         longer messages outright): the arguments checked and the rules, without values."""
         names = [c[0] for c in self.cu] + [c[0] for c in self.lengths] + ["block_table"] * bool(self.block_ids)
-        text = (f"jagged_sdpa: bad {', '.join(dict.fromkeys(names))}: offsets must start at 0, not decrease, end "
-                "at the packed length; lengths within capacity and the max seqlens given; block ids in range")
+        text = (f"jagged_sdpa: bad {', '.join(dict.fromkeys(names))}: offsets must start at 0, not decrease, "
+                "stay within and end at the packed length; lengths within capacity and the max seqlens given; "
+                "block ids in range")
         return text if len(text) < MESSAGE_LIMIT else text[:MESSAGE_LIMIT - 4] + "..."
 
     def queue(self) -> None:
@@ -72,13 +74,16 @@ def _flags_torch(checks: DeviceChecks) -> Tensor:
     """One boolean per check, from torch ops (any device)."""
     flags = []
     for _, cu, total, max_seqlen, _ in checks.cu:
-        lengths = cu[1:] - cu[:-1]
-        ok = (cu[0] == 0) & (cu[-1] == total)
+        wide = cu.to(torch.int64)  # int32 differences of out-of-range offsets wrap (issue 23)
+        lengths = wide[1:] - wide[:-1]
+        ok = (cu[0] == 0) & (cu[-1] == total) & (wide.min() >= 0) & (wide.max() <= total)
         if lengths.numel():
             ok = ok & (lengths.min() >= 0) & (lengths.max() <= max_seqlen)
         flags.append(ok)
     for _, lengths, capacity, max_seqlen in checks.lengths:
         if lengths.numel():
+            if not isinstance(capacity, int):
+                capacity = capacity.to(torch.int64)
             cap = capacity if isinstance(capacity, int) else capacity[1:] - capacity[:-1]
             flags.append((lengths.min() >= 0) & (lengths <= cap).all() & (lengths.max() <= max_seqlen))
     for table, used, block_size, num_blocks in checks.block_ids:

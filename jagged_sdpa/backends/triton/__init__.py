@@ -111,11 +111,12 @@ class TritonBackend(BackendImpl):
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        return plans.plan_notes(spec)
+        return plans.plan_notes(plans.clamped(spec))
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
+        call = _clamped(call)
         splits = plans.plan_splits(call.spec)
         result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec))
         if splits > 1:
@@ -126,4 +127,11 @@ class TritonBackend(BackendImpl):
     @classmethod
     def backward(cls, call: PackedCall, out, lse, grad_out, state):
         _, bwd = _kernels()
+        call = _clamped(call)
         return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec))
+
+
+def _clamped(call: PackedCall) -> PackedCall:
+    """The call with ``plans.clamped``'s max lengths, which the kernels' launch geometry reads."""
+    spec = plans.clamped(call.spec)
+    return call if spec is call.spec else call.replace(spec=spec)

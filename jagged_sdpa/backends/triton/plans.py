@@ -46,6 +46,21 @@ def programs_wanted(spec: AttnSpec) -> int:
     return 16
 
 
+def clamped(spec: AttnSpec) -> AttnSpec:
+    """The spec with max_seqlen_q no larger than total_q (and max_seqlen_k than total_k for packed
+    keys): the launch geometry and every plan below read these bounds, and a caller may pass a
+    loose static one (a server's decode step, a CUDA graph: 131072 for one query per sequence).
+    Unclamped, such a decode got prefill tiles, no split-K and no GQA packing, and launched
+    cdiv(bound, BLOCK_M) x Hq x B programs that mostly exit at once; around 2**35 the grid's x
+    axis overflowed. A paged cache's capacity bounds no sequence (a block table may repeat a
+    block), so its max_seqlen_k stays as given."""
+    max_q = min(spec.max_seqlen_q, spec.total_q)
+    max_k = spec.max_seqlen_k if spec.paged else min(spec.max_seqlen_k, spec.total_k)
+    if (max_q, max_k) == (spec.max_seqlen_q, spec.max_seqlen_k):
+        return spec
+    return spec.replace(max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
 def plan_splits(spec: AttnSpec) -> int:
     """Number of key splits for this call; 1 means the ordinary forward."""
     if spec.max_seqlen_q > DECODE_MAX_SEQLEN_Q or spec.max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:

@@ -22,6 +22,11 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 # Vectorised 128-bit loads in both kernels: base pointers and row strides must be 16-byte aligned.
 KERNEL_ALIGN_BYTES = 16
 
+# A CUDA grid holds at most 65535 blocks along y and z (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"); a launch past that fails with "invalid configuration
+# argument".
+GRID_YZ_MAX = 65535
+
 
 @functools.cache
 def cuda_unavailable_reason() -> Optional[str]:
@@ -57,6 +62,17 @@ def missing_argument_reasons(needed) -> Iterator[str]:
     for wanted, op, argument, feature in needed:
         if wanted and (why := missing_argument_reason(feature, op, argument)) is not None:
             yield why
+
+
+def launch_grid_reasons(spec: AttnSpec, kernel: str, grid: str) -> Iterator[str]:
+    """Why ``kernel``, whose grid puts the sequences and the query heads on its y/z axes
+    (``grid`` says how, with the PyTorch file that launches it), cannot launch this call."""
+    if spec.batch > GRID_YZ_MAX:
+        yield (f"batch {spec.batch} > {GRID_YZ_MAX} sequences - {kernel} launches {grid}, and a CUDA grid's y/z "
+               f"hold at most {GRID_YZ_MAX}; split the batch")
+    if spec.heads_q > GRID_YZ_MAX:
+        yield (f"heads_q {spec.heads_q} > {GRID_YZ_MAX} - {kernel} launches {grid}, and a CUDA grid's y/z "
+               f"hold at most {GRID_YZ_MAX}")
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from jagged_sdpa.backends import cuda_common as cc
+from jagged_sdpa.backends.cuda import common as cc
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -60,18 +60,35 @@ def _training_head_dim_reason(spec: AttnSpec) -> Optional[str]:
 def _window_kwargs(spec: AttnSpec, max_k: int) -> dict:
     """Window arguments for both ops; empty when the kernel's defaults already mean "no window".
 
+    ``max_k`` is the max_seqlen_k the op gets (``kernel_max_seqlens``). The ops rewrite windows
+    twice (flash_api.cpp): ``mha_varlen_fwd``/``mha_varlen_bwd`` turn a side >= max_seqlen_k into
+    -1, then ``set_params_fprop`` turns a -1 side facing a bounded one into max_seqlen_k. A right
+    side of max_seqlen_k still cuts bottom-right rows i of a sequence with Lq >= max_seqlen_k + 2
+    (their bound i + Lk - Lq + max_seqlen_k falls below Lk - 1), so ``kernel_max_seqlens`` passes
+    a max_seqlen_k of at least max_seqlen_q when there is a window: then both rewrites only touch
+    sides that bound nothing. Sides the first rewrite would reset are passed as -1 here (what the op
+    would do, and no int32 narrowing of a huge side), and causal is right = 0 (``is_causal`` sets
+    it too, except with max_seqlen_q == 1, where it is dropped and the window is what remains).
+
     With one query per sequence, GQA and no window, mha_varlen_fwd folds the query heads into the
     sequence dim (``seqlenq_ngroups_swapped``): that reshape fails when a sequence has no query,
     and its lse layout is not the one we document. A left window of max_seqlen_k keeps the kernel
     off that path and means "unbounded" (the op resets windows >= max_seqlen_k to -1).
     """
     if spec.has_window:
-        return {"window_size_left": spec.window[0], "window_size_right": spec.window[1]}
+        left, right = spec.window
+        kept = (_kept_side(left, max_k), _kept_side(right if not spec.causal else 0, max_k))
+        if kept != (-1, -1):  # else no side bounds anything: as without a window
+            return {"window_size_left": kept[0], "window_size_right": kept[1]}
     swap_possible = (min(spec.max_seqlen_q, spec.total_q) == 1 and spec.heads_q > spec.heads_kv
                      and spec.dropout_p == 0)
     if swap_possible and (spec.return_lse or spec.total_q != spec.batch):
         return {"window_size_left": max(max_k, 1), "window_size_right": -1}
     return {}
+
+
+def _kept_side(side: int, max_k: int) -> int:
+    return side if 0 <= side < max_k else -1
 
 
 def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -87,11 +104,31 @@ def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tens
     return q, k, v, cu_k
 
 
-def _max_seqlens(spec: AttnSpec) -> tuple[int, int]:
+def kernel_max_seqlens(spec: AttnSpec, block_table_width: Optional[int] = None) -> tuple[int, int]:
+    """(max_seqlen_q, max_seqlen_k) as the ops get them.
+
+    Both are clamped to what the call can hold: the packed totals, or for a paged cache the block
+    table's width x block_size (total_k is the cache's capacity there, and a block table may name
+    a block twice). The op takes ``int64_t`` and ``mha_varlen_fwd`` narrows it to ``int``
+    (attention.cu -> flash_api.cpp): an unclamped bound of 2**31 became negative, and the op then
+    ran no kernel ("if (max_seqlen_k > 0)") and returned zeros with lse +inf. With a window,
+    max_seqlen_k is raised to max_seqlen_q when that is larger, so that no rewrite of
+    ``_window_kwargs`` cuts a row's keys; a larger max_seqlen_k only adds dK/dV programs that
+    exit at once (flash_bwd_kernel.h: ``if (n_block * kBlockN >= binfo.actual_seqlen_k) return``).
+    """
     max_q, max_k = cc.clamp_max_seqlens(spec)
     if spec.paged:
-        max_k = spec.max_seqlen_k  # total_k is the cache capacity there, not a packed total
+        max_k = spec.max_seqlen_k
+        if block_table_width is not None:
+            max_k = min(max_k, block_table_width * spec.block_size)
+    if spec.has_window:
+        max_k = max(max_k, max_q)
     return max_q, max_k
+
+
+def _call_max_seqlens(call: PackedCall) -> tuple[int, int]:
+    width = call.block_table.shape[1] if call.spec.paged else None
+    return kernel_max_seqlens(call.spec, width)
 
 
 class FlashVarlenBackend(BackendImpl):
@@ -136,8 +173,14 @@ class FlashVarlenBackend(BackendImpl):
                 yield f"dropout_p {spec.dropout_p:g} with a paged kv cache - flash's split-kv kernel has no dropout"
         if (why := _training_head_dim_reason(spec)) is not None:
             yield why
+        yield from cc.launch_grid_reasons(
+            spec, "flash", "grid(num_m_block, B, Hq) (flash_fwd_launch_template.h; the backward's "
+            "grid_n/grid_m likewise, flash_bwd_launch_template.h)")
         # Training forces the lse on (``ops._attention``), which can make the forward pass a window.
-        windowed = bool(_window_kwargs(spec.replace(return_lse=spec.return_lse or spec.needs_grad), 1))
+        # (For a paged cache the spec does not know the block table's width: its max_seqlen_k is
+        # an upper bound of the run's, which can only keep more window sides.)
+        windowed = bool(_window_kwargs(spec.replace(return_lse=spec.return_lse or spec.needs_grad),
+                                       kernel_max_seqlens(spec)[1]))
         needed = (
             (windowed, FORWARD_OP, "window_size_left", "window_size"),
             (windowed and spec.needs_grad, BACKWARD_OP, "window_size_left", "window_size backward"),
@@ -154,6 +197,10 @@ class FlashVarlenBackend(BackendImpl):
             notes.append(f"flash: q/k/v head dims zero-padded to {width}")
         if spec.alignment == "top_left" and (spec.causal or spec.has_window):
             notes.append("flash: top-left run as bottom-right (every Lq == Lk)")
+        max_q, max_k = cc.clamp_max_seqlens(spec)
+        if spec.has_window and max_q > max_k and not spec.paged:
+            notes.append(f"flash: max_seqlen_k passed as {max_q} (max_seqlen_q), so that the op's window "
+                         "rewrites cut no row")
         return tuple(notes)
 
     @classmethod
@@ -164,7 +211,7 @@ class FlashVarlenBackend(BackendImpl):
             return AttnOutput(out, lse if spec.return_lse else None)
         width = padded_head_dim(spec)
         q, k, v, cu_k = _prepare(call, width)
-        max_q, max_k = _max_seqlens(spec)
+        max_q, max_k = _call_max_seqlens(call)
         window_kwargs = _window_kwargs(spec, max_k)
         kwargs = {"scale": spec.scale, **window_kwargs}
         if call.seqused_k is not None:
@@ -196,7 +243,7 @@ class FlashVarlenBackend(BackendImpl):
         state = FlashState(*state)
         width = padded_head_dim(spec)
         q, k, v, cu_k = _prepare(call, width)
-        max_q, max_k = _max_seqlens(spec)
+        max_q, max_k = _call_max_seqlens(call)
         out_p = cc.kernel_ready(cc.pad_head_dim(out, width))
         grad_p = cc.kernel_ready(cc.pad_head_dim(grad_out, width))
         lse_shape = tuple(state.lse_like.shape[:-1])

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from jagged_sdpa.backends import cuda_common as cc
+from jagged_sdpa.backends.cuda import common as cc
 from jagged_sdpa.backends.base import Backend, BackendImpl
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -30,6 +30,16 @@ FORWARD_OP = "_efficient_attention_forward"
 BACKWARD_OP = "_efficient_attention_backward"
 
 MASK_NONE, MASK_CAUSAL_TOP_LEFT, MASK_CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+# The op's lse is (B, Hq, ceil(max_seqlen_q / kAlignLSE) * kAlignLSE) float32 (attention.cu,
+# ``_efficient_attention_forward``: "logsumexp = at::empty({seqstart_q->size(0) - 1, num_heads,
+# compute_logsumexp ? ceil_div(max_seqlen_q, kAlignLSE) * kAlignLSE : 0}"), built again for the
+# backward (``cuda.common.lse_to_native``). Padded to the longest sequence, it can dwarf the call: a
+# 128k-token sequence beside 1,000 short ones at Hq = 32 needs 16.8 GB where ours (Hq, total_q) is
+# 29 MB. Calls whose padded lse passes both the floor and the factor x ours go elsewhere.
+LSE_ALIGN = 32
+LSE_BUDGET_FLOOR_BYTES = 256 << 20
+LSE_BUDGET_FACTOR = 4
 
 
 class EfficientState(NamedTuple):
@@ -62,6 +72,24 @@ def mask_arguments(spec: AttnSpec) -> tuple[int, Optional[int]]:
     mask = MASK_CAUSAL_TOP_LEFT if top_left else MASK_CAUSAL_BOTTOM_RIGHT
     left = spec.window[0]
     return mask, (left + 1 if left >= 0 else None)
+
+
+def padded_lse_bytes(spec: AttnSpec) -> int:
+    """Bytes of the lse the op allocates when it computes one (max_seqlen_q as clamped for it)."""
+    max_q, _ = cc.clamp_max_seqlens(spec)
+    return spec.batch * spec.heads_q * cc.round_up(max_q, LSE_ALIGN) * 4
+
+
+def _lse_budget_reason(spec: AttnSpec) -> Optional[str]:
+    if not (spec.return_lse or spec.needs_grad):  # no lse asked: the op allocates a width of 0
+        return None
+    padded, packed = padded_lse_bytes(spec), spec.heads_q * spec.total_q * 4
+    if padded <= max(LSE_BUDGET_FLOOR_BYTES, LSE_BUDGET_FACTOR * packed):
+        return None
+    return (f"lse of {padded / 1e9:.1f} GB - the efficient op pads it to (B, Hq, round32(max_seqlen_q)) "
+            f"= ({spec.batch}, {spec.heads_q}, {cc.round_up(cc.clamp_max_seqlens(spec)[0], LSE_ALIGN)}) float32, "
+            f"{padded / max(packed, 1):.0f}x the packed {packed / 1e6:.1f} MB (budget: the larger of "
+            f"{LSE_BUDGET_FLOOR_BYTES >> 20} MiB and {LSE_BUDGET_FACTOR}x packed); a long-tailed batch")
 
 
 def _pad_widths(spec: AttnSpec) -> tuple[int, int]:
@@ -122,6 +150,11 @@ class EfficientBackend(BackendImpl):
                    "sliding windows; use is_causal or right=0")
         if spec.seqused_k and spec.needs_grad:
             yield "seqused_k with a gradient needed - aten._efficient_attention_backward takes no seqlen_k"
+        if (why := _lse_budget_reason(spec)) is not None:
+            yield why
+        yield from cc.launch_grid_reasons(
+            spec, "efficient", "grid(query blocks, Hq, B) (mem_eff_attention/kernel_forward.h getBlocksGrid; "
+            "the backward's (key splits, Hq, B), kernel_backward.h)")
         mask, window = mask_arguments(spec)
         if window is not None and mask == MASK_CAUSAL_BOTTOM_RIGHT and spec.needs_grad:
             # xformers' cutlass.py keeps bottom-right local masks out of this backward ("still

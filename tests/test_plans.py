@@ -334,6 +334,7 @@ class _Passthrough(TorchDispatchMode):
 
 BAD = {
     "keys-past-the-end": ([0, 3, 6], [0, 5, 2], 3, 5),
+    "int32-wrap": ([0, 2**31 - 1, -2**31 + 5, 4, 10], [0, 2**31 - 1, -2**31 + 5, 4, 10], 2**31 - 1, 2**31 - 1),
 }
 
 

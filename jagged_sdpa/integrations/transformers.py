@@ -33,7 +33,7 @@ import torch
 
 try:
     import transformers as _transformers  # noqa: F401  (the real package: absolute import)
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _err:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
@@ -65,6 +65,22 @@ class _Unpad:
     holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
     rows_q: tuple  # (batch index, position) of each valid query: gathers straight from (B, H, Q, D)
     rows_k: tuple
+    # the pattern of the mask function transformers asked for: True (causal), False (bidirectional),
+    # None (unknown: a 2-D mask read directly). Eager applies the mask whatever the module's
+    # is_causal says, so a known pattern overrides it (bigbird_pegasus' decoder declares is_causal=False)
+    causal: bool | None = None
+    padded: bool = True  # False: a marker without padding, only there to carry ``causal``
+
+    def queries_as_keys(self) -> "_Unpad":
+        """The same batch with the valid keys as the only queries (self-attention): what a
+        bidirectional sliding window needs, since varlen aligns query i with key i + Lk - Lq and
+        every query row of a bidirectional mask is otherwise kept. Computed once per mask."""
+        view = self.__dict__.get("_as_keys")
+        if view is None:
+            view = _Unpad(self.indices_k, self.indices_k, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
+                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal)
+            self.__dict__["_as_keys"] = view
+        return view
 
 
 def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
@@ -100,6 +116,44 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
     )
 
 
+def _mask_pattern(mask_function) -> bool | None:
+    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
+    one (encoder self-attention, cross-attention), None if neither or both are found. Reads the
+    closures of ``and_masks``/``sliding_window_*``/packed wrappers; evaluates nothing."""
+    found, stack, seen = set(), [mask_function], set()
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if fn is causal_mask_function:
+            found.add(True)
+        elif fn is bidirectional_mask_function:
+            found.add(False)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, (tuple, list)):
+                stack.extend(v for v in value if callable(v))
+            elif callable(value):
+                stack.append(value)
+    return found.pop() if len(found) == 1 else None
+
+
+def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, device, dtype) -> torch.Tensor:
+    """A ``(B, 1, 1, Q + K)`` mask without padding whose only job is to carry the mask's pattern
+    (for encoder-decoder models, whose modules do not always declare it; never on the padding-free
+    decoder-only path, which stays mask-free for torch.compile). Additive zeros in the model's
+    dtype: model code that reads a mask itself (NLLB-MoE's router) sees "nothing masked"."""
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    mask = torch.zeros(batch_size, 1, 1, Q + K, dtype=dtype, device=device if device is not None else "cpu")
+    empty = torch.empty(0, dtype=torch.int64)
+    setattr(mask, _UNPAD_ATTR, _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False))
+    return mask
+
+
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                           attention_mask=None, use_vmap=False, device=None, **kwargs):
     """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
@@ -131,8 +185,19 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
             "-- use attn_implementation='eager' or 'sdpa' for this model"
         )
     Q, K = int(q_length), int(kv_length)
-    if attention_mask is None and isinstance(q_offset, int) and q_offset + Q == kv_offset + K:
-        return None  # every key slot holds a real token: dense path (or packed via position_ids)
+    causal = _mask_pattern(mask_function)
+    # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
+    # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
+    # masks even a mask without padding is returned, as a marker that carries the pattern
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False))
+
+    def no_padding():
+        return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
+
+    if attention_mask is None and (causal is False or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
+        # every key slot holds a real token (bidirectional masks have no cache geometry to rebuild):
+        # dense path (or packed via position_ids)
+        return no_padding()
     total = kv_offset + K
     if attention_mask is None:
         dev = device if device is not None else "cpu"
@@ -152,12 +217,26 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
             valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
     key_valid = valid[:, kv_offset:total]
-    q_positions = torch.arange(Q, device=valid.device) + q_offset
-    query_valid = valid.index_select(1, q_positions)
+    if causal is False:
+        # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
+        # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
+        # every query row is computed (eager computes padded encoder rows too)
+        query_valid = torch.ones(batch_size, Q, dtype=torch.bool, device=valid.device)
+    else:
+        q_positions = torch.arange(Q, device=valid.device) + q_offset
+        query_valid = valid.index_select(1, q_positions)
     info = _unpad_from_validity(query_valid, key_valid)
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
-        return None  # no padding after all: the dense path needs no indices
+        return no_padding()  # no padding after all: the dense path needs no indices
+    if getattr(config, "router_ignore_padding_tokens", None) is False:
+        # NLLB-MoE's router reads padding from the attention mask's layout itself
+        raise ValueError(
+            "config.router_ignore_padding_tokens: this model's router reads the padding from the attention "
+            "mask itself, which jagged attention does not build; set router_ignore_padding_tokens=True, "
+            "pass a batch without padding, or use attn_implementation='eager'"
+        )
+    info.causal = causal
     mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, _UNPAD_ATTR, info)
     return mask
@@ -226,6 +305,11 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     B, Hq, Q, D = query.shape
     K, Hkv, Dv = key.shape[2], key.shape[1], value.shape[-1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None else None
+    if info is not None and info.causal is not None:
+        causal = info.causal  # the mask's pattern is what eager applies (see _Unpad.causal)
+    if info is not None and not info.padded:
+        info = None  # a marker only: no padding to remove
     window = (-1, -1)
     if sliding_window is not None:
         sw = _as_int(sliding_window, "sliding_window")
@@ -241,8 +325,18 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
-    if attention_mask is not None:
-        info = _unpad_info(attention_mask, B, Q, K)
+    if info is not None:
+        if info.causal is False and window != (-1, -1):
+            # eager's bidirectional window |q - kv| <= w counts positions in the padded row; packed,
+            # it holds only when each sequence's queries are its keys. Padded query rows then
+            # output zeros (eager's see only padding), real rows equal eager's.
+            if Q != K:
+                raise ValueError(
+                    f"sliding_window: a bidirectional sliding window between {Q} queries and {K} keys "
+                    "(cross-attention) with a padding mask is not supported by jagged attention; "
+                    "use attn_implementation='eager' or 'sdpa' for this model"
+                )
+            info = info.queries_as_keys()
         if info.holes and window != (-1, -1):
             raise ValueError(
                 "attention_mask: a row has padding between real tokens (e.g. a right-padded prompt "

@@ -18,6 +18,14 @@
   from ``cu_seq_lens_q/k`` + ``max_length_q/k`` (``DataCollatorWithFlattening``) or from
   ``position_ids`` that do not continue by +1.
 
+Encoder-decoder models: the mask hook reads which pattern transformers asked for (causal or
+bidirectional) from the mask function; bidirectional masks (encoder self-attention, cross-attention)
+mask keys only and keep every query row, as eager does, and a known pattern overrides the module's
+``is_causal`` (eager applies the mask whatever the module declares).
+
+Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
+``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
+
 The name avoids "sdpa" and "flash": transformers applies its SDPA dispatch rules to names with
 "sdpa" (and ~20 model families, e.g. Gemma2, then refuse it), and tries to fetch a Hub kernel for
 names with "flash".
@@ -294,7 +302,11 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{unsupported}: not supported by jagged attention (use attn_implementation='eager')")
     if kwargs.get("cache") is not None:
-        raise ValueError("cache: paged (continuous batching) caches are not supported by jagged attention")
+        raise ValueError(
+            "cache: a paged (continuous batching) cache reached the 'jagged' attention; transformers' continuous "
+            "batching accepts only its built-in names: call jagged_sdpa.integrations.transformers."
+            "enable_continuous_batching() and use attn_implementation='sdpa'"
+        )
     if kwargs.get("output_attentions", False) and not _warned_output_attentions[0]:
         _warned_output_attentions[0] = True
         _logger.warning("jagged attention does not compute attention weights; output_attentions gives None")

@@ -89,6 +89,8 @@ def test_generate_batch_token_identical_with_chunked_prefill(llama):
     # 70 and 45 > max_batch_tokens=32: chunked prefill; steps mix prefill chunks and decodes
     used = _compare(llama, _prompts((5, 70, 12, 45, 1, 33)), expect_modes=("paged", "packed"))
     assert used["gather"] == 0
+    # the step's metadata is built once and reused by both layers
+    assert used["paged"] + used["packed"] == 2 * used["groups"]
 
 
 def test_generate_batch_single_long_prompt_and_small_pages(llama):

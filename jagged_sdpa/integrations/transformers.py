@@ -459,8 +459,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward as _
 
 _CB_NAME = "sdpa"
 _cb_state: dict = {"original": None}
-_cb_step: list = [None]  # (weakref to the step's cu_seq_lens_q, its version or None, {layer type: _CBGroup})
-_cb_stats = {"paged": 0, "packed": 0, "gather": 0, "fallback": 0}  # layer calls per mode (tests, benchmarks)
+_cb_step: list = [None]  # (weakref to the step's cu_seq_lens_q, (its version, write index id), {layer type: _CBGroup})
+# layer calls per mode, and per-step groups built (tests, benchmarks)
+_cb_stats = {"paged": 0, "packed": 0, "gather": 0, "fallback": 0, "groups": 0}
 
 
 @dataclass
@@ -513,13 +514,17 @@ def _cb_block_table(read_index: torch.Tensor, cu_k: torch.Tensor, seqused: torch
 
 def _cb_group(kwargs: dict, cache, allocator) -> _CBGroup:
     """The step's group for ``allocator``: built at the step's first layer of that group, reused after."""
+    # transformers hands every layer of a step the same tensors, and new views of its static buffers at
+    # each step: the step is keyed by their identity (weak references) and cu_seq_lens_q's version
     cu_q_in = kwargs.get("cu_seq_lens_q")
+    writes = kwargs.get("write_index") or [None]
+    key = (_cb_step_version(cu_q_in), id(writes[0]))
     hit = _cb_step[0]
-    if hit is not None and hit[0]() is cu_q_in and hit[1] == _cb_step_version(cu_q_in):
+    if hit is not None and hit[0]() is cu_q_in and hit[1] == key:
         groups = hit[2]
     else:
         groups = {}
-        _cb_step[0] = (weakref.ref(cu_q_in), _cb_step_version(cu_q_in), groups)
+        _cb_step[0] = (weakref.ref(cu_q_in), key, groups)
     group = groups.get(allocator.layer_type)
     if group is None:
         group = groups[allocator.layer_type] = _cb_build_group(kwargs, cache, allocator)
@@ -527,6 +532,7 @@ def _cb_group(kwargs: dict, cache, allocator) -> _CBGroup:
 
 
 def _cb_build_group(kwargs: dict, cache, allocator) -> _CBGroup:
+    _cb_stats["groups"] += 1
     cu_k_all, max_k_all = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
     read_index, write_index = kwargs.get("read_index"), kwargs.get("write_index")
     if not isinstance(cu_k_all, dict) or not isinstance(max_k_all, dict) or read_index is None or write_index is None \

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
@@ -109,6 +109,16 @@ def test_generate_batch_sliding_window(mistral):
     ragged with the window, no mask."""
     used = _compare(mistral, _prompts((5, 40, 12, 3)), expect_modes=("gather",))
     assert used["paged"] == 0
+
+
+def test_generate_batch_hybrid_full_and_sliding_layers():
+    """Qwen2's hybrid: layer 0 full attention (paged, block table), layer 1 sliding (ring buffer):
+    two cache groups per step, each built once."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    used = _compare(model, _prompts((5, 40, 12, 3)), expect_modes=("paged", "gather"))
+    assert used["paged"] + used["packed"] + used["gather"] == used["groups"]  # one layer per group
 
 
 def test_other_calls_run_transformers_sdpa(llama):

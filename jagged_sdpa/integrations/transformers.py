@@ -581,14 +581,22 @@ def continuous_batching_sdpa_forward(module, query, key, value, attention_mask, 
     if not _cb_supported(query, kwargs, dropout, module):
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
+    out = _cb_run(module, query, key, value, scaling, kwargs)
+    if out is None:
+        _cb_stats["fallback"] += 1
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    return out, None
+
+
+@torch.compiler.disable  # per-step host read and cache; transformers' cache.update is not traced either
+def _cb_run(module, query, key, value, scaling, kwargs):
     cache = kwargs["cache"]
     allocator = cache.layer_to_allocator[module.layer_idx]
     group = _cb_group(kwargs, cache, allocator)
     if group.mode == "fallback":
-        _cb_stats["fallback"] += 1
-        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                        is_causal=is_causal, **kwargs)
-    return _cb_attend(module, query, key, value, scaling, kwargs, cache, allocator, group), None
+        return None
+    return _cb_attend(module, query, key, value, scaling, kwargs, cache, allocator, group)
 
 
 def _cb_attend(module, query, key, value, scaling, kwargs, cache, allocator, group: _CBGroup) -> torch.Tensor:

@@ -169,3 +169,14 @@ def test_block_table_from_read_indices():
     assert jt._cb_block_table(shuffled, cu_k, cu_k.diff(), 6, page, 9) is None
     unaligned = torch.tensor([29, 30, 31, 32, 8, 9, 20, 21, 22])  # a page that starts mid-page
     assert jt._cb_block_table(unaligned, cu_k, cu_k.diff(), 6, page, 9) is None
+
+
+def test_example_runs(monkeypatch, capsys):
+    import os
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setattr("sys.argv", ["continuous_batching_hf.py", "--prompts", "3", "--max-len", "80",
+                                     "--new-tokens", "4"])
+    runpy.run_path(os.path.join(root, "examples", "continuous_batching_hf.py"), run_name="__main__")
+    assert "tokens identical: True" in capsys.readouterr().out

@@ -177,6 +177,12 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
     evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
+
+    ``create_bidirectional_mask`` (encoder self-attention; cross-attention, where the 2-D mask is the
+    encoder's and ``q_length`` the decoder's) gets a keys-only mask instead: every query row is kept
+    (as in eager), and the mask is additive ``(B, 1, 1, K)`` (0 / the dtype's min), which model code
+    that reads the mask itself can use as it uses eager's. Which pattern was asked for is read from
+    ``mask_function`` (its closures, nothing evaluated) and travels with the mask.
     """
     # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
     # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
@@ -238,14 +244,25 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
         return no_padding()  # no padding after all: the dense path needs no indices
+    info.causal = causal
+    if causal is False:
+        # keys only: an additive (B, 1, 1, K) mask, 0 for real keys and the dtype's min for padding, which
+        # model code that reads the mask itself can use as eager's (bigbird_pegasus' encoder adds it to its
+        # scores, NLLB-MoE's router reads its last row); the unpadding data rides along as for every mask
+        dtype = kwargs.get("dtype")
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        mask = torch.zeros(batch_size, 1, 1, K, dtype=dtype, device=valid.device)
+        mask.masked_fill_(~key_valid.view(batch_size, 1, 1, K), torch.finfo(dtype).min)
+        setattr(mask, _UNPAD_ATTR, info)
+        return mask
     if getattr(config, "router_ignore_padding_tokens", None) is False:
         # NLLB-MoE's router reads padding from the attention mask's layout itself
         raise ValueError(
             "config.router_ignore_padding_tokens: this model's router reads the padding from the attention "
-            "mask itself, which jagged attention does not build; set router_ignore_padding_tokens=True, "
-            "pass a batch without padding, or use attn_implementation='eager'"
+            "mask itself, which jagged attention does not build for a padded decoder; set "
+            "router_ignore_padding_tokens=True, pass a decoder batch without padding, or use "
+            "attn_implementation='eager'"
         )
-    info.causal = causal
     mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, _UNPAD_ATTR, info)
     return mask
@@ -394,7 +411,7 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
     info = getattr(mask, _UNPAD_ATTR, None)
-    if info is not None and mask.shape == (B, 1, 1, Q + K):
+    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
         return info
     if mask.dtype == torch.bool and mask.shape == (B, 1, 1, Q + K):
         flat = mask.view(B, Q + K)

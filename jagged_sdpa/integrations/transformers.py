@@ -204,7 +204,9 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
     # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
     # masks even a mask without padding is returned, as a marker that carries the pattern
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False))
+    # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
+    # to its scores, keep getting None without padding)
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False))
 
     def no_padding():
         return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None

@@ -11,6 +11,12 @@ contenders alike:
             "jagged packed" is the same sequences packed padding-free into one row
             (DataCollatorWithFlattening), where no layer (not only attention) spends work on padding.
   generate  batched greedy generation (DynamicCache) from the left-padded prompts; new tokens/s.
+  cb        continuous batching (model.generate_batch, paged cache, chunked prefill): transformers'
+            "sdpa" against jagged attention in the "sdpa" entry (jt.enable_continuous_batching());
+            --cb-prompts prompts of evenly spread lengths --cb-min-len..--cb-max-len (shuffled), greedy;
+            new tokens/s over the whole call (generate_batch's manager start and stop included: a fixed
+            cost of about 0.5 s here, mostly its gc.collect) and over the serving loop alone
+            (add_requests to the last result, as in a long-running server). Tokens checked identical.
 
 Before timing, every contender's loss is checked against eager's and its generated tokens must be
 identical to eager's; the padding waste (% of the padded batch that is padding) is printed.
@@ -20,6 +26,7 @@ OpenMP barrier waits for a core another process holds, which adds noise of the o
 differences measured (a 150 KB copy took 20 us on 1 thread and 500 us on 2). --threads 2 for both.
 
 Run: python benchmarks/bench_hf.py [--batch 8] [--max-len 512] [--rounds 7] [--new-tokens 32] [--threads 1]
+     python benchmarks/bench_hf.py --sections cb --layers 4   (issue 19's continuous-batching row)
 """
 
 from __future__ import annotations
@@ -36,7 +43,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, DynamicCache, LlamaConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+)
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.utils import WorkloadHints  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
 
@@ -79,7 +94,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sections", default="train,generate,cb",
+                        help="comma-separated subset of train,generate,cb (train and generate run together)")
+    parser.add_argument("--cb-prompts", type=int, default=16)
+    parser.add_argument("--cb-min-len", type=int, default=16)
+    parser.add_argument("--cb-max-len", type=int, default=600)
+    parser.add_argument("--cb-new-tokens", type=int, default=32)
+    parser.add_argument("--cb-rounds", type=int, default=3)
+    parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    parser.add_argument("--cb-page-size", type=int, default=64)
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"train", "generate", "cb"}:
+        raise SystemExit(f"--sections: unknown {sorted(sections - {'train', 'generate', 'cb'})}")
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
@@ -87,7 +114,8 @@ def main() -> None:
     name = jt.register()
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=max(args.max_len, args.prompt_max_len + args.new_tokens),
+                         max_position_embeddings=max(args.max_len, args.prompt_max_len + args.new_tokens,
+                                                     args.cb_max_len + args.cb_new_tokens),
                          pad_token_id=0, bos_token_id=None, eos_token_id=None)
     models = {}
     for impl in ("eager", "sdpa", name):
@@ -98,6 +126,11 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; Llama hidden {args.hidden}, {args.layers} layers, 8 query / 2 kv heads, fp32")
+
+    if "cb" in sections:
+        continuous_batching(args, models["sdpa"], torch.Generator().manual_seed(args.seed + 1))
+    if not sections & {"train", "generate"}:
+        return
 
     # ---------------------------------------------------------------- training step
     lengths = ragged_lengths(args.batch, args.max_len, gen)
@@ -175,6 +208,74 @@ def main() -> None:
             row += f"{'-':>11} {'-':>12} {'-':>8}"
         print(row)
 
+
+
+def continuous_batching(args, model, gen: torch.Generator) -> None:
+    """generate_batch with transformers' "sdpa" against jagged attention in the "sdpa" entry."""
+    import logging
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # psutil / eos notices
+    n = args.cb_prompts
+    lengths = torch.linspace(args.cb_min_len, args.cb_max_len, n).round().long()
+    lengths = lengths[torch.randperm(n, generator=gen)].tolist()
+    prompts = [torch.randint(1, VOCAB, (int(L),), generator=gen).tolist() for L in lengths]
+    gconf = GenerationConfig(max_new_tokens=args.cb_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    blocks = n * ((args.cb_max_len + args.cb_new_tokens) // args.cb_page_size + 2)
+    print(f"\ncontinuous batching: {n} prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all), "
+          f"{args.cb_new_tokens} new tokens each, greedy, page {args.cb_page_size}, max_batch_tokens "
+          f"{args.cb_max_batch_tokens} (chunked prefill), {blocks} blocks")
+    model.eval()
+
+    hints = WorkloadHints(max_prompt_length=max(lengths), max_generated_length=args.cb_new_tokens, num_requests=n)
+
+    def run(jagged: bool):
+        """What generate_batch does, timed twice: the whole call (manager start and stop included) and
+        the serving loop alone (add_requests to the last result, as in a long-running server)."""
+        (jt.enable_continuous_batching if jagged else jt.disable_continuous_batching)()
+        cbc = ContinuousBatchingConfig(page_size=args.cb_page_size, num_blocks=blocks,
+                                       max_batch_tokens=args.cb_max_batch_tokens)
+        start = time.perf_counter()
+        with torch.no_grad(), model.continuous_batching_context_manager(
+                generation_config=gconf, continuous_batching_config=cbc, block=True, timeout=5, warmup=False,
+                workload_hints=hints) as manager:
+            loop_start = time.perf_counter()
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=args.cb_new_tokens)
+            results = {}
+            while len(results) < n:
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise SystemExit("continuous batching: the generation thread stopped")
+            loop = time.perf_counter() - loop_start
+        elapsed = time.perf_counter() - start
+        jt.disable_continuous_batching()
+        return (elapsed, loop), [results[i].generated_tokens for i in ids]
+
+    contenders = [("sdpa (transformers)", False), ("jagged (in sdpa)", True)]
+    ref = run(False)[1]
+    before = dict(jt._cb_stats)
+    if run(True)[1] != ref:
+        raise SystemExit("continuous batching: jagged tokens differ from transformers' sdpa")
+    modes = {k: jt._cb_stats[k] - before[k] for k in before}
+    times = {label: [] for label, _ in contenders}
+    for _ in range(args.cb_rounds):
+        for label, jagged in contenders:
+            t, tokens = run(jagged)
+            if tokens != ref:
+                raise SystemExit(f"continuous batching: {label} tokens differ")
+            times[label].append(t)
+    total = n * args.cb_new_tokens
+    med = {label: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for label, ts in times.items()}
+    base = med["sdpa (transformers)"]
+    print(f"medians of {args.cb_rounds} interleaved rounds, tokens identical; jagged layer calls per run: {modes}")
+    print(f"{'contender':<20} {'whole call s':>12} {'tokens/s':>9} {'vs sdpa':>8}   {'serving loop s':>14} "
+          f"{'tokens/s':>9} {'vs sdpa':>8}   loop runs (s)")
+    for label, _ in contenders:
+        whole, loop = med[label]
+        runs = " ".join(f"{x[1]:.2f}" for x in times[label])
+        print(f"{label:<20} {whole:>12.2f} {total / whole:>9.1f} {base[0] / whole:>7.2f}x   {loop:>14.2f} "
+              f"{total / loop:>9.1f} {base[1] / loop:>7.2f}x   {runs}")
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,14 @@
   from ``cu_seq_lens_q/k`` + ``max_length_q/k`` (``DataCollatorWithFlattening``) or from
   ``position_ids`` that do not continue by +1.
 
+Encoder-decoder models: the mask hook reads which pattern transformers asked for (causal or
+bidirectional) from the mask function; bidirectional masks (encoder self-attention, cross-attention)
+mask keys only and keep every query row, as eager does, and a known pattern overrides the module's
+``is_causal`` (eager applies the mask whatever the module declares).
+
+Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
+``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
+
 The name avoids "sdpa" and "flash": transformers applies its SDPA dispatch rules to names with
 "sdpa" (and ~20 model families, e.g. Gemma2, then refuse it), and tries to fetch a Hub kernel for
 names with "flash".
@@ -33,7 +41,7 @@ import torch
 
 try:
     import transformers as _transformers  # noqa: F401  (the real package: absolute import)
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _err:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
@@ -43,7 +51,8 @@ except ImportError as _err:  # pragma: no cover - exercised by a test that hides
 
 from jagged_sdpa.api import varlen_attention
 
-__all__ = ["register", "jagged_attention_forward", "jagged_attention_mask", "DEFAULT_NAME"]
+__all__ = ["register", "jagged_attention_forward", "jagged_attention_mask", "DEFAULT_NAME", "enable_continuous_batching",
+           "disable_continuous_batching", "continuous_batching_enabled", "continuous_batching_sdpa_forward"]
 
 DEFAULT_NAME = "jagged"
 _logger = logging.getLogger("jagged_sdpa")
@@ -65,6 +74,22 @@ class _Unpad:
     holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
     rows_q: tuple  # (batch index, position) of each valid query: gathers straight from (B, H, Q, D)
     rows_k: tuple
+    # the pattern of the mask function transformers asked for: True (causal), False (bidirectional),
+    # None (unknown: a 2-D mask read directly). Eager applies the mask whatever the module's
+    # is_causal says, so a known pattern overrides it (bigbird_pegasus' decoder declares is_causal=False)
+    causal: bool | None = None
+    padded: bool = True  # False: a marker without padding, only there to carry ``causal``
+
+    def queries_as_keys(self) -> "_Unpad":
+        """The same batch with the valid keys as the only queries (self-attention): what a
+        bidirectional sliding window needs, since varlen aligns query i with key i + Lk - Lq and
+        every query row of a bidirectional mask is otherwise kept. Computed once per mask."""
+        view = self.__dict__.get("_as_keys")
+        if view is None:
+            view = _Unpad(self.indices_k, self.indices_k, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
+                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal)
+            self.__dict__["_as_keys"] = view
+        return view
 
 
 def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
@@ -100,6 +125,44 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
     )
 
 
+def _mask_pattern(mask_function) -> bool | None:
+    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
+    one (encoder self-attention, cross-attention), None if neither or both are found. Reads the
+    closures of ``and_masks``/``sliding_window_*``/packed wrappers; evaluates nothing."""
+    found, stack, seen = set(), [mask_function], set()
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if fn is causal_mask_function:
+            found.add(True)
+        elif fn is bidirectional_mask_function:
+            found.add(False)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, (tuple, list)):
+                stack.extend(v for v in value if callable(v))
+            elif callable(value):
+                stack.append(value)
+    return found.pop() if len(found) == 1 else None
+
+
+def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, device, dtype) -> torch.Tensor:
+    """A ``(B, 1, 1, Q + K)`` mask without padding whose only job is to carry the mask's pattern
+    (for encoder-decoder models, whose modules do not always declare it; never on the padding-free
+    decoder-only path, which stays mask-free for torch.compile). Additive zeros in the model's
+    dtype: model code that reads a mask itself (NLLB-MoE's router) sees "nothing masked"."""
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    mask = torch.zeros(batch_size, 1, 1, Q + K, dtype=dtype, device=device if device is not None else "cpu")
+    empty = torch.empty(0, dtype=torch.int64)
+    setattr(mask, _UNPAD_ATTR, _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False))
+    return mask
+
+
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                           attention_mask=None, use_vmap=False, device=None, **kwargs):
     """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
@@ -114,6 +177,12 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
     evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
+
+    ``create_bidirectional_mask`` (encoder self-attention; cross-attention, where the 2-D mask is the
+    encoder's and ``q_length`` the decoder's) gets a keys-only mask instead: every query row is kept
+    (as in eager), and the mask is additive ``(B, 1, 1, K)`` (0 / the dtype's min), which model code
+    that reads the mask itself can use as it uses eager's. Which pattern was asked for is read from
+    ``mask_function`` (its closures, nothing evaluated) and travels with the mask.
     """
     # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
     # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
@@ -131,8 +200,21 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
             "-- use attn_implementation='eager' or 'sdpa' for this model"
         )
     Q, K = int(q_length), int(kv_length)
-    if attention_mask is None and isinstance(q_offset, int) and q_offset + Q == kv_offset + K:
-        return None  # every key slot holds a real token: dense path (or packed via position_ids)
+    causal = _mask_pattern(mask_function)
+    # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
+    # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
+    # masks even a mask without padding is returned, as a marker that carries the pattern
+    # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
+    # to its scores, keep getting None without padding)
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False))
+
+    def no_padding():
+        return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
+
+    if attention_mask is None and (causal is False or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
+        # every key slot holds a real token (bidirectional masks have no cache geometry to rebuild):
+        # dense path (or packed via position_ids)
+        return no_padding()
     total = kv_offset + K
     if attention_mask is None:
         dev = device if device is not None else "cpu"
@@ -152,12 +234,37 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
             valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
     key_valid = valid[:, kv_offset:total]
-    q_positions = torch.arange(Q, device=valid.device) + q_offset
-    query_valid = valid.index_select(1, q_positions)
+    if causal is False:
+        # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
+        # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
+        # every query row is computed (eager computes padded encoder rows too)
+        query_valid = torch.ones(batch_size, Q, dtype=torch.bool, device=valid.device)
+    else:
+        q_positions = torch.arange(Q, device=valid.device) + q_offset
+        query_valid = valid.index_select(1, q_positions)
     info = _unpad_from_validity(query_valid, key_valid)
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
-        return None  # no padding after all: the dense path needs no indices
+        return no_padding()  # no padding after all: the dense path needs no indices
+    info.causal = causal
+    if causal is False:
+        # keys only: an additive (B, 1, 1, K) mask, 0 for real keys and the dtype's min for padding, which
+        # model code that reads the mask itself can use as eager's (bigbird_pegasus' encoder adds it to its
+        # scores, NLLB-MoE's router reads its last row); the unpadding data rides along as for every mask
+        dtype = kwargs.get("dtype")
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        mask = torch.zeros(batch_size, 1, 1, K, dtype=dtype, device=valid.device)
+        mask.masked_fill_(~key_valid.view(batch_size, 1, 1, K), torch.finfo(dtype).min)
+        setattr(mask, _UNPAD_ATTR, info)
+        return mask
+    if getattr(config, "router_ignore_padding_tokens", None) is False:
+        # NLLB-MoE's router reads padding from the attention mask's layout itself
+        raise ValueError(
+            "config.router_ignore_padding_tokens: this model's router reads the padding from the attention "
+            "mask itself, which jagged attention does not build for a padded decoder; set "
+            "router_ignore_padding_tokens=True, pass a decoder batch without padding, or use "
+            "attn_implementation='eager'"
+        )
     mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, _UNPAD_ATTR, info)
     return mask
@@ -214,7 +321,11 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"{unsupported}: not supported by jagged attention (use attn_implementation='eager')")
     if kwargs.get("cache") is not None:
-        raise ValueError("cache: paged (continuous batching) caches are not supported by jagged attention")
+        raise ValueError(
+            "cache: a paged (continuous batching) cache reached the 'jagged' attention; transformers' continuous "
+            "batching accepts only its built-in names: call jagged_sdpa.integrations.transformers."
+            "enable_continuous_batching() and use attn_implementation='sdpa'"
+        )
     if kwargs.get("output_attentions", False) and not _warned_output_attentions[0]:
         _warned_output_attentions[0] = True
         _logger.warning("jagged attention does not compute attention weights; output_attentions gives None")
@@ -226,6 +337,11 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     B, Hq, Q, D = query.shape
     K, Hkv, Dv = key.shape[2], key.shape[1], value.shape[-1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None else None
+    if info is not None and info.causal is not None:
+        causal = info.causal  # the mask's pattern is what eager applies (see _Unpad.causal)
+    if info is not None and not info.padded:
+        info = None  # a marker only: no padding to remove
     window = (-1, -1)
     if sliding_window is not None:
         sw = _as_int(sliding_window, "sliding_window")
@@ -241,8 +357,18 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
-    if attention_mask is not None:
-        info = _unpad_info(attention_mask, B, Q, K)
+    if info is not None:
+        if info.causal is False and window != (-1, -1):
+            # eager's bidirectional window |q - kv| <= w counts positions in the padded row; packed,
+            # it holds only when each sequence's queries are its keys. Padded query rows then
+            # output zeros (eager's see only padding), real rows equal eager's.
+            if Q != K:
+                raise ValueError(
+                    f"sliding_window: a bidirectional sliding window between {Q} queries and {K} keys "
+                    "(cross-attention) with a padding mask is not supported by jagged attention; "
+                    "use attn_implementation='eager' or 'sdpa' for this model"
+                )
+            info = info.queries_as_keys()
         if info.holes and window != (-1, -1):
             raise ValueError(
                 "attention_mask: a row has padding between real tokens (e.g. a right-padded prompt "
@@ -287,7 +413,7 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
     info = getattr(mask, _UNPAD_ATTR, None)
-    if info is not None and mask.shape == (B, 1, 1, Q + K):
+    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
         return info
     if mask.dtype == torch.bool and mask.shape == (B, 1, 1, Q + K):
         flat = mask.view(B, Q + K)
@@ -327,3 +453,225 @@ def register(name: str = DEFAULT_NAME) -> str:
     AttentionInterface.register(name, jagged_attention_forward)
     AttentionMaskInterface.register(name, jagged_attention_mask)
     return name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Continuous batching (transformers' generate_batch / serve --continuous-batching): API.md section 8.
+#
+# transformers accepts only its built-in names there, so jagged attention goes in under "sdpa" (opt-in,
+# process-wide). Calls that carry a PagedAttentionCache run ragged attention with varlen_attention;
+# every other call, and every continuous-batching call this path does not cover exactly, runs
+# transformers' own SDPA (the function that held the "sdpa" entry before).
+#
+# Per step, once for each cache group (full / sliding attention), and shared by every layer of the
+# step: the group's lengths, its block table (derived from transformers' read indices and checked
+# against them) and the mode. Per layer: write the new K/V into the cache (transformers' own update,
+# write only) and attend. The per-step group is where a ``jagged_sdpa.plan`` (API.md section 10)
+# slots in: built in ``_cb_group`` with the group's cu_seqlens_q/block_table/seqused_k/max lengths and
+# causal/window, then ``plan.run(q, k_pages, v_pages)`` in ``_cb_attend`` instead of varlen_attention.
+
+try:  # pragma: no branch - transformers 5.x
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache as _PagedAttentionCache
+except ImportError:  # pragma: no cover - a transformers without continuous batching
+    _PagedAttentionCache = None
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as _hf_sdpa_attention_forward
+
+_CB_NAME = "sdpa"
+_cb_state: dict = {"original": None}
+_cb_step: list = [None]  # (weakref to the step's cu_seq_lens_q, (its version, write index id), {layer type: _CBGroup})
+# layer calls per mode, and per-step groups built (tests, benchmarks)
+_cb_stats = {"paged": 0, "packed": 0, "gather": 0, "fallback": 0, "groups": 0}
+
+
+@dataclass
+class _CBGroup:
+    """One step's attention metadata for one cache group (what a plan would hold)."""
+
+    mode: str  # "paged": keys read in place through a block table; "packed": only new keys (no past);
+    # "gather": transformers' own cache read (sliding-window ring buffers); "fallback": transformers' SDPA
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    total_q: int = 0
+    total_k: int = 0
+    block_table: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    write_only: list | None = None  # read indices that make transformers' cache.update write without reading
+
+
+def _cb_step_version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors have no version counter: identity alone keys the step
+        return None
+
+
+def _cb_block_table(read_index: torch.Tensor, cu_k: torch.Tensor, seqused: torch.Tensor, max_k: int, page: int,
+                    total_k: int):
+    """The block table (in pages of the allocator's per-layer page view) that reads exactly what
+    transformers' read indices read, or None if they are not whole pages in order (then the cache
+    is read through transformers' gather)."""
+    if read_index.numel() < total_k or total_k == 0 or max_k <= 0:
+        return None
+    ri = read_index[:total_k]
+    n_blocks = (max_k + page - 1) // page
+    B = seqused.numel()
+    local = torch.arange(n_blocks, device=ri.device) * page  # (n_blocks,)
+    used = local.unsqueeze(0) < seqused.unsqueeze(1)  # (B, n_blocks)
+    starts = (cu_k[:-1].to(torch.int64).unsqueeze(1) + local).clamp(max=total_k - 1)
+    first = ri[starts]  # physical index of each page's first token
+    table = torch.where(used, torch.div(first, page, rounding_mode="floor"), torch.zeros_like(first))
+    # the exact read every key token would get through the table: page * block + offset
+    seq_of_token = torch.repeat_interleave(torch.arange(B, device=ri.device), seqused.to(torch.int64),
+                                           output_size=total_k)
+    pos = torch.arange(total_k, device=ri.device) - cu_k[:-1].to(torch.int64)[seq_of_token]
+    expected = table[seq_of_token, torch.div(pos, page, rounding_mode="floor")] * page + pos % page
+    aligned = bool(((first % page == 0) | ~used).all()) and torch.equal(expected, ri)
+    return table.to(torch.int32) if aligned else None
+
+
+def _cb_group(kwargs: dict, cache, allocator) -> _CBGroup:
+    """The step's group for ``allocator``: built at the step's first layer of that group, reused after."""
+    # transformers hands every layer of a step the same tensors, and new views of its static buffers at
+    # each step: the step is keyed by their identity (weak references) and cu_seq_lens_q's version
+    cu_q_in = kwargs.get("cu_seq_lens_q")
+    writes = kwargs.get("write_index") or [None]
+    key = (_cb_step_version(cu_q_in), id(writes[0]))
+    hit = _cb_step[0]
+    if hit is not None and hit[0]() is cu_q_in and hit[1] == key:
+        groups = hit[2]
+    else:
+        groups = {}
+        _cb_step[0] = (weakref.ref(cu_q_in), key, groups)
+    group = groups.get(allocator.layer_type)
+    if group is None:
+        group = groups[allocator.layer_type] = _cb_build_group(kwargs, cache, allocator)
+    return group
+
+
+def _cb_build_group(kwargs: dict, cache, allocator) -> _CBGroup:
+    _cb_stats["groups"] += 1
+    cu_k_all, max_k_all = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
+    read_index, write_index = kwargs.get("read_index"), kwargs.get("write_index")
+    if not isinstance(cu_k_all, dict) or not isinstance(max_k_all, dict) or read_index is None or write_index is None \
+            or allocator.layer_type not in cu_k_all:
+        return _CBGroup("fallback")
+    cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+    cu_k = cu_k_all[allocator.layer_type].to(torch.int32)
+    max_q = _as_int(kwargs.get("max_length_q"), "max_length_q")
+    max_k = _as_int(max_k_all[allocator.layer_type], "max_length_k")
+    total_q, total_k = torch.stack([cu_q[-1], cu_k[-1]]).tolist()  # the step's one host read
+    reads = read_index[allocator.index]
+    no_reads = [r[:0] for r in read_index]
+    common = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, total_q=total_q,
+                  total_k=total_k, write_only=no_reads)
+    if allocator.layer_type != "full_attention" or not getattr(allocator, "supports_block_table", False):
+        return _CBGroup("gather", **common)  # sliding window: a ring buffer, read through transformers
+    if reads.numel() == 0:
+        # no request has a past: the keys are the new tokens (transformers returns them as they are)
+        return _CBGroup("packed", **common) if torch.equal(cu_k, cu_q) else _CBGroup("gather", **common)
+    seqused = cu_k.diff()
+    table = _cb_block_table(reads, cu_k, seqused, max_k, allocator.tokens_per_page, total_k)
+    if table is None:
+        return _CBGroup("gather", **common)
+    return _CBGroup("paged", block_table=table, seqused_k=seqused.to(torch.int32), **common)
+
+
+def _cb_supported(query, kwargs, dropout, module) -> bool:
+    """What this path covers; anything else runs transformers' SDPA, as it would without us."""
+    if _PagedAttentionCache is None or not isinstance(kwargs.get("cache"), _PagedAttentionCache):
+        return False
+    if kwargs.get("block_table") is not None:  # the flash decode fast path (CUDA/XPU): not an SDPA call
+        return False
+    for name in ("softcap", "position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            return False
+    if dropout and getattr(module, "training", False):
+        return False
+    return query.ndim == 4 and query.shape[0] == 1 and getattr(module, "layer_idx", None) is not None
+
+
+def continuous_batching_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                     is_causal=None, **kwargs):
+    """The "sdpa" entry while continuous batching is enabled: jagged attention on continuous-batching
+    calls, transformers' SDPA on every other call (same signature as ``sdpa_attention_forward``)."""
+    original = _cb_state["original"] or _hf_sdpa_attention_forward
+    if not _cb_supported(query, kwargs, dropout, module):
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    out = _cb_run(module, query, key, value, scaling, kwargs)
+    if out is None:
+        _cb_stats["fallback"] += 1
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    return out, None
+
+
+@torch.compiler.disable  # per-step host read and cache; transformers' cache.update is not traced either
+def _cb_run(module, query, key, value, scaling, kwargs):
+    cache = kwargs["cache"]
+    allocator = cache.layer_to_allocator[module.layer_idx]
+    group = _cb_group(kwargs, cache, allocator)
+    if group.mode == "fallback":
+        return None
+    return _cb_attend(module, query, key, value, scaling, kwargs, cache, allocator, group)
+
+
+def _cb_attend(module, query, key, value, scaling, kwargs, cache, allocator, group: _CBGroup) -> torch.Tensor:
+    _cb_stats[group.mode] += 1
+    T, Hq, Dv = query.shape[2], query.shape[1], value.shape[-1]
+    layer = module.layer_idx
+    if group.mode == "gather":
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=dict(kwargs))
+    else:  # write the new K/V (transformers' own update, with no read: it returns its inputs)
+        cache.update(key_states=key, value_states=value, layer_idx=layer,
+                     kwargs=dict(kwargs, read_index=group.write_only))
+    q = query[0].transpose(0, 1)[: group.total_q]  # (total_q, Hq, D)
+    window = (-1, -1)
+    if group.mode == "gather" and allocator.layer_type == "sliding_attention":
+        sw = getattr(allocator, "sliding_window", None) or getattr(cache.config, "sliding_window", None)
+        window = (int(sw) - 1, 0)  # transformers' CB mask: a query sees the sw keys up to itself
+    options = dict(softmax_scale=scaling, causal=True, window_size=window)
+    if group.mode == "paged":
+        k_pages, v_pages = allocator.get_cache_for_block_table(layer)
+        out = varlen_attention(q, k_pages, v_pages, group.cu_seqlens_q, None, group.max_seqlen_q, group.max_seqlen_k,
+                               block_table=group.block_table, seqused_k=group.seqused_k, **options)
+    else:
+        k = key[0].transpose(0, 1)[: group.total_k]
+        v = value[0].transpose(0, 1)[: group.total_k]
+        out = varlen_attention(q, k, v, group.cu_seqlens_q, group.cu_seqlens_k, group.max_seqlen_q,
+                               group.max_seqlen_k, **options)
+    if group.total_q < T:  # padded steps (static shapes): padded rows are zeros
+        out = torch.cat([out, out.new_zeros(T - group.total_q, Hq, Dv)])
+    return out.unsqueeze(0)
+
+
+def enable_continuous_batching() -> None:
+    """Run jagged attention in transformers' continuous batching (``generate_batch``, ``serve``).
+
+    transformers 5.x accepts only its built-in names there, so this replaces the process-wide "sdpa"
+    entry of ``AttentionInterface`` with ``continuous_batching_sdpa_forward``: continuous-batching calls
+    (a ``PagedAttentionCache`` in the kwargs) run ragged ``varlen_attention`` over the paged cache, every
+    other call runs transformers' SDPA. Build or switch the model with ``attn_implementation="sdpa"``.
+    Idempotent; undone by ``disable_continuous_batching()``.
+    """
+    current = AttentionInterface._global_mapping.get(_CB_NAME)
+    if current is continuous_batching_sdpa_forward:
+        return
+    _cb_state["original"] = current
+    AttentionInterface.register(_CB_NAME, continuous_batching_sdpa_forward)
+
+
+def disable_continuous_batching() -> None:
+    """Give the "sdpa" entry back to the function that held it before ``enable_continuous_batching``.
+    Idempotent; an entry someone else replaced in between is left alone."""
+    if AttentionInterface._global_mapping.get(_CB_NAME) is continuous_batching_sdpa_forward:
+        AttentionInterface.register(_CB_NAME, _cb_state["original"] or _hf_sdpa_attention_forward)
+    _cb_state["original"] = None
+    _cb_step[0] = None
+
+
+def continuous_batching_enabled() -> bool:
+    """Whether the "sdpa" entry is jagged's continuous-batching function."""
+    return AttentionInterface._global_mapping.get(_CB_NAME) is continuous_batching_sdpa_forward

@@ -23,17 +23,17 @@ from jagged_sdpa.selection import Explanation
 
 
 def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-               window_size, softcap, backend):
+               window_size, softcap, backend, chunk_size=None, prefix_lens=None):
     """Validate an sdpa call; returns its plan and the packed q, k, v (views of the NJTs' buffers)."""
     inputs.validate_attn_mask(attn_mask)
     size_q, size_k, _ = inputs.validate_sdpa_tensors(query, key, value, enable_gqa)
-    options = opts.sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend)
+    options = opts.sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend, chunk_size)
     kv_dense = not key.is_nested
     given_q = layout.njt_cached_max_seqlen(query)
     given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
     if query.lengths() is not None or not kv_dense and (
             key.lengths() is not None or value.lengths() is not None or value.offsets() is not key.offsets()):
-        return _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options)
+        return _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, prefix_lens)
     q_packed, _ = layout.njt_packed(query)
     notes = ()
     if kv_dense:
@@ -47,14 +47,14 @@ def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
         b = batches.build(offsets_q, offsets_k, q_packed.shape[0] if given_q is None else given_q,
                           k_packed.shape[0] if given_k is None else given_k, read=False, names=batches.SDPA_NAMES,
-                          kv_dense=kv_dense)
+                          kv_dense=kv_dense, prefix_lens=prefix_lens)
     else:
         b = batches.cached(offsets_q, offsets_k, given_q, given_k, read=plans.host_read(query.device, given_q, given_k),
-                           names=batches.SDPA_NAMES, kv_dense=kv_dense)
+                           names=batches.SDPA_NAMES, kv_dense=kv_dense, prefix_lens=prefix_lens)
     return plans.for_call(b, options, refusal, notes), q_packed, k_packed, v_packed
 
 
-def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options):
+def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, prefix_lens=None):
     """An sdpa call whose structure needs a host read: NJTs with holes (``lengths()``, gathered
     into packed copies) or a value with offsets of its own (compared to key's)."""
     has_holes = query.lengths() is not None or key.lengths() is not None or value.lengths() is not None
@@ -81,7 +81,7 @@ def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options):
         k_packed, v_packed, cu_k = packed["key"], packed["value"], cu["key"][0]
     host_cu = [cu["query"][1]] + ([] if kv_dense else [cu["key"][1]])
     b = batches.build(cu["query"][0], cu_k, given_q, given_k, read=True, names=batches.SDPA_NAMES, kv_dense=kv_dense,
-                      host=host_cu)
+                      host=host_cu, prefix_lens=prefix_lens)
     return plans.for_call(b, options, None, tuple(notes)), packed["query"], k_packed, v_packed
 
 
@@ -104,7 +104,8 @@ def _njt_side(name, njt, offsets_host, lengths_host, notes):
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-         causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
+         causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None, chunk_size=None,
+         prefix_lens=None, backend=None):
     """Scaled dot-product attention on jagged nested tensors, one sequence at a time, unpadded.
 
     Shapes: query (B, Hq, j_q, D), the ``.transpose(1, 2)`` of a (B, j_q, Hq, D) jagged NJT; key
@@ -123,7 +124,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     i' the aligned query position; ``softcap`` maps scores to c * tanh(s / c) after scaling;
     ``alibi_slopes`` (Hq,) or (B, Hq) float32 adds -slope * |i' - j|. Order: scale, softcap, ALiBi,
     masks. A query row that sees no key outputs zeros. Dropout draws from PyTorch's default
-    generator. When the NJTs carry their max seqlen (they do when built by torch) and live on a
+    generator. ``sinks`` (Hq,) float: a per-head logit added to every row's softmax denominator;
+    ``chunk_size`` C: a row at aligned position i' sees only keys j with j // C == i' // C;
+    ``prefix_lens`` int32 (B,): rows at aligned positions < P_b also see every key j < P_b
+    (API.md section 11). When the NJTs carry their max seqlen (they do when built by torch) and live on a
     GPU, no host sync happens; on the CPU offsets are always read and validated.
 
     Example::
@@ -143,8 +147,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     with torch._C.DisableTorchFunctionSubclass():
         inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
         plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   causal_alignment, window_size, softcap, backend)
-    out = plan._run(q, k, v, alibi_slopes, validated=True).out
+                                   causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
+    out = plan._run(q, k, v, alibi_slopes, validated=True, sinks=sinks).out
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, plan._batch.cu_seqlens_q, plan._batch.max_seqlen_q)
 
@@ -154,10 +158,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
 
 def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                 window_size, softcap, return_lse, block_table, seqused_k, backend) -> plans.Plan:
+                 window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size=None,
+                 prefix_lens=None) -> plans.Plan:
     """The plan of a varlen_attention call: its batch validated (once for the same metadata)."""
     inputs.validate_tensor("q", q)
-    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
+    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size)
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
     if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
@@ -167,16 +172,17 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
             max_q = q.shape[0] if max_q is None else max_q
             max_k = (k.shape[0] * (k.shape[1] if block_table is not None else 1)) if max_k is None else max_k
         b = batches.build(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
-                          read=False)
+                          read=False, prefix_lens=prefix_lens)
         return plans.for_call(b, options, refusal)
     b = batches.cached(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
-                       read=plans.host_read(q.device, max_q, max_k))
+                       read=plans.host_read(q.device, max_q, max_k), prefix_lens=prefix_lens)
     return plans.for_call(b, options)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, return_lse=False, block_table=None, seqused_k=None, backend=None):
+                     alibi_slopes=None, sinks=None, chunk_size=None, prefix_lens=None, return_lse=False,
+                     block_table=None, seqused_k=None, backend=None):
     """Attention over packed variable-length sequences, with flash-attn's varlen semantics.
 
     Shapes: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), Hq % Hkv == 0;
@@ -189,8 +195,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     sees keys j <= i + Lk - Lq (for Lq=2, Lk=5: rows ``1 1 1 1 0`` and ``1 1 1 1 1``).
     ``window_size``, ``softcap`` (0 = off) and ``alibi_slopes`` use the same alignment.
 
+    ``sinks`` float (Hq,), ``chunk_size`` and ``prefix_lens`` int32 (B,): API.md section 11 (see
+    ``sdpa``), with the same alignment.
+
     Returns out (total_q, Hq, Dv), or (out, lse) with ``return_lse=True``, lse float32
-    (Hq, total_q) natural log. A row that sees no key outputs zeros and lse -inf.
+    (Hq, total_q) natural log. A row that sees no key outputs zeros and lse -inf (with sinks:
+    sink_h, and every lse includes the sink).
 
     Host syncs: ``max_seqlen_q/_k=None`` costs one device-to-host read (on the CPU, reading is
     always done to validate cu_seqlens, and costs microseconds).
@@ -207,8 +217,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     inputs.validate_not_meta("q", q)  # k/v on another device: the device checks say so
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend)
-    result = plan._run(q, k, v, alibi_slopes, validated=False)
+                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
+                        prefix_lens)
+    result = plan._run(q, k, v, alibi_slopes, validated=False, sinks=sinks)
     return (result.out, result.lse) if return_lse else result.out
 
 
@@ -246,16 +257,19 @@ def explain(*args, **kwargs) -> Explanation:
 
 
 def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                  *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None):
+                  *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None,
+                  chunk_size=None, prefix_lens=None, backend=None):
     with torch._C.DisableTorchFunctionSubclass():
         plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   causal_alignment, window_size, softcap, backend)
-        return plan._explain(q, k, v, alibi_slopes, validated=True)
+                                   causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
+        return plan._explain(q, k, v, alibi_slopes, validated=True, sinks=sinks)
 
 
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    return_lse=False, block_table=None, seqused_k=None, backend=None):
+                    sinks=None, chunk_size=None, prefix_lens=None, return_lse=False, block_table=None,
+                    seqused_k=None, backend=None):
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend)
-    return plan._explain(q, k, v, alibi_slopes, validated=False)
+                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
+                        prefix_lens)
+    return plan._explain(q, k, v, alibi_slopes, validated=False, sinks=sinks)

@@ -65,6 +65,8 @@ class Batch:
     seqused_host: Optional[tuple] = None
     table_host: Optional[list] = None   # paged: rows of block ids, read with the lengths
     kv_dense: bool = False              # sdpa's dense key/value: cu_seqlens_k is b * S
+    prefix_lens: Optional[Tensor] = None  # int32 (B,), API.md 11; 0 <= P_b <= key length of b
+    prefix_host: Optional[tuple] = None   # its values, read with the lengths
     _bound: set = field(default_factory=set, repr=False)
     plans: dict = field(default_factory=dict, repr=False)   # Options -> the Plan of calls over this batch
 
@@ -75,6 +77,11 @@ class Batch:
     @property
     def paged(self) -> bool:
         return self.block_table is not None
+
+    @property
+    def prefix_matters(self) -> bool:
+        """prefix_lens given and not known to be all zeros (a zero prefix changes nothing)."""
+        return self.prefix_lens is not None and (self.prefix_host is None or any(self.prefix_host))
 
     def bind(self, total_q: int, k: Tensor) -> None:
         """Check the batch against a layer's packed q length and its k (packed keys, or the
@@ -98,7 +105,7 @@ class Batch:
                 _check_end(self.names.cu_k, self.cu_k_host, k.shape[0])
             return
         num_blocks, block_size = k.shape[0], k.shape[1]
-        width = self.block_table.shape[1]
+        width = self.block_table.shape[1]  # (prefix_lens were checked against seqused_k in ``build``)
         layout.lengths_stats("seqused_k", self.seqused_host, [width * block_size] * self.size, None)
         inputs.validate_block_ids(self.table_host, self.seqused_host, block_size, num_blocks)
 
@@ -115,6 +122,13 @@ class Batch:
             checks.add_cu(names.cu_k, self.cu_seqlens_k, k.shape[0], max_cu_k, names.max_k)
             if self.seqused_k is not None:
                 checks.add_lengths("seqused_k", self.seqused_k, self.cu_seqlens_k, self.max_seqlen_k)
+        if self.prefix_lens is not None:  # 0 <= P_b <= the key length of b, as ``build`` checks on the host
+            if self.seqused_k is not None:
+                used = self.seqused_k.to(torch.int64).cumsum(0).to(torch.int32)
+                capacity = torch.cat([used.new_zeros(1), used])
+            else:
+                capacity = self.max_seqlen_k if self.kv_dense else self.cu_seqlens_k
+            checks.add_lengths("prefix_lens", self.prefix_lens, capacity, self.max_seqlen_k)
         checks.queue()
 
 
@@ -129,13 +143,15 @@ def _check_end(name: str, host: tuple, total: int) -> None:
 
 def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
           block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
-          names: Names = VARLEN_NAMES, kv_dense: bool = False, host: Optional[list] = None) -> Batch:
+          names: Names = VARLEN_NAMES, kv_dense: bool = False, host: Optional[list] = None,
+          prefix_lens: Optional[Tensor] = None) -> Batch:
     """Validate a batch's metadata (``read``: on the host now; else its checks wait for ``bind``).
     ``host``: what the caller read of the same tensors already (``layout.read_host``'s lists).
 
     Raises the ValueError of the first bad content, naming the argument as ``names`` spells it.
     Without a read, ``max_q``/``max_k`` must be given (they bound every length). ``kv_dense``:
-    sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here)."""
+    sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here).
+    ``prefix_lens`` (API.md 11): read with the lengths, each within its sequence's key length."""
     if names is VARLEN_NAMES:
         inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
     else:  # NJT offsets (int64): the kernels take int32; one cast per batch, shared by q and k when they share
@@ -144,15 +160,18 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
         cu_k = cu_q if shared else None if cu_k is None else _int32(cu_k)
     paged = block_table is not None
     size = cu_q.shape[0] - 1
+    inputs.validate_prefix_lens(prefix_lens, size, cu_q.device)
     if kv_dense:
         cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
     if not read:
         empty_k = max_k == 0 and size > 0 if kv_dense else True
         return Batch(size, cu_q, cu_k, seqused_k, block_table, max_q, max_k, True, empty_k,
-                     cu_k is cu_q and seqused_k is None, names, kv_dense=kv_dense)
+                     cu_k is cu_q and seqused_k is None, names, kv_dense=kv_dense, prefix_lens=prefix_lens)
     to_read = [cu_q] + ([block_table, seqused_k] if paged else [] if kv_dense else
                         [cu_k] + ([seqused_k] if seqused_k is not None else []))
-    host = layout.read_host(*to_read) if host is None else host
+    host = layout.read_host(*to_read, *([] if prefix_lens is None else [prefix_lens])) if host is None else \
+        host + ([] if prefix_lens is None else layout.read_host(prefix_lens))
+    prefix_host = None if prefix_lens is None else tuple(host[len(to_read)])
     stats_q = layout.seqlen_stats(names.cu_q, host[0], None, max_q, names.max_q)
     table_host = used = None
     if paged:
@@ -176,9 +195,11 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
             stats_k = layout.lengths_stats("seqused_k", used, layout.host_lengths(cu_k_host), max_k)
     equal = (cu_k is cu_q and seqused_k is None) or (
         not paged and seqused_k is None and tuple(stats_q.cu_host) == tuple(cu_k_host))
+    if prefix_host is not None:
+        inputs.validate_prefix_values(prefix_host, used if used is not None else layout.host_lengths(cu_k_host))
     return Batch(size, cu_q, cu_k, seqused_k, block_table, stats_q.max_seqlen, stats_k.max_seqlen,
                  stats_q.has_empty, stats_k.has_empty, equal, names, stats_q.cu_host, cu_k_host, used, table_host,
-                 kv_dense)
+                 kv_dense, prefix_lens, prefix_host)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,11 +219,11 @@ def _versions(tensors: tuple) -> Optional[tuple]:
 
 def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
            block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
-           names: Names = VARLEN_NAMES, kv_dense: bool = False) -> Batch:
+           names: Names = VARLEN_NAMES, kv_dense: bool = False, prefix_lens: Optional[Tensor] = None) -> Batch:
     """``build``, or the Batch an earlier call built over the very same, unchanged tensors."""
-    tensors = tuple(t for t in (cu_q, cu_k, block_table, seqused_k) if t is not None)
+    tensors = tuple(t for t in (cu_q, cu_k, block_table, seqused_k, prefix_lens) if t is not None)
     key = (tuple(map(id, tensors)), max_q, max_k, read, names, kv_dense, block_table is not None,
-           seqused_k is not None)
+           seqused_k is not None, prefix_lens is not None)
     versions = _versions(tensors)
     hit = _CACHE.get(key)
     if hit is not None:
@@ -213,7 +234,7 @@ def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Op
             if versions is None and read and _same_contents(batch, tensors):
                 return batch
     batch = build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read, names=names,
-                  kv_dense=kv_dense)
+                  kv_dense=kv_dense, prefix_lens=prefix_lens)
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, batch)
@@ -226,10 +247,12 @@ def _same_contents(batch: Batch, tensors: tuple) -> bool:
     held = [batch.cu_q_host]
     if batch.paged:
         held += [[x for row in batch.table_host for x in row], batch.seqused_host]
-    else:
+    elif not batch.kv_dense:  # a dense key/value's cu_seqlens_k is made, not passed
         held.append(batch.cu_k_host)
         if batch.seqused_k is not None:
             held.append(batch.seqused_host)
+    if batch.prefix_lens is not None:
+        held.append(batch.prefix_host)
     return all(tuple(a) == tuple(b) for a, b in zip(now, held))
 
 

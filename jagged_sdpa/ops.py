@@ -38,9 +38,10 @@ from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
 
+# prefix_lens and sinks (API.md 11) come last, with defaults: callers written before them still fit.
 _CALL_ARGS = ("Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, "
               "Tensor? alibi_slopes, Tensor? dropout_key, str backend, str options, SymInt max_seqlen_q, "
-              "SymInt max_seqlen_k")
+              "SymInt max_seqlen_k, Tensor? prefix_lens=None, Tensor? sinks=None")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor[])")
 _LIB.define(f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             f"Tensor[] state, {_CALL_ARGS}) -> Tensor[]")
@@ -50,7 +51,7 @@ _LIB.define("paged_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_t
 # The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
 _OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
                   "window", "softcap", "alibi_grad", "dropout_p", "scale", "needs_grad", "return_lse",
-                  "equal_lengths")
+                  "equal_lengths", "chunk_size", "sinks_grad")
 
 
 def options_of(spec: AttnSpec) -> str:
@@ -97,15 +98,25 @@ def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Opti
     )
 
 
-def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k) -> AttnSpec:
+def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
+                   prefix_lens=None, sinks=None) -> AttnSpec:
     """The spec of an operator call, from its tensors' metadata and ``options``."""
     return AttnSpec(
         **tensor_fields(q, k, v, cu_seqlens_q.shape[0] - 1, block_table, seqused_k),
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
+        prefix=prefix_lens is not None,
+        sinks=sinks is not None,
         **_parse_options(options),
     )
+
+
+def split_grads(spec: AttnSpec, grads) -> tuple:
+    """A backward's (dq, dk, dv[, dslopes][, dsinks]) as (dq, dk, dv, dslopes or None, dsinks or None)."""
+    dslopes = grads[3] if spec.alibi_grad else None
+    dsinks = grads[3 + spec.alibi_grad] if spec.sinks_grad else None
+    return grads[0], grads[1], grads[2], dslopes, dsinks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,29 +124,30 @@ def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, 
 
 
 def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None) -> PackedCall:
     """The call the operator runs, its contents checked: read on the CPU (found again when the
     wrapper read the same tensors), else queued as device-side asserts."""
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_q, max_k)
+                    max_q, max_k, prefix_lens, sinks)
     spec = call.spec
     b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
                        block_table=block_table, seqused_k=seqused_k, read=q.device.type == "cpu",
                        names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
-                       kv_dense=spec.kv_dense)
+                       kv_dense=spec.kv_dense, prefix_lens=prefix_lens)
     b.bind(q.shape[0], k)
     if not b.lengths_known:
         return call
     return call.replace(cu_q_host=b.cu_q_host, cu_k_host=b.cu_k_host, seqused_k_host=b.seqused_host,
-                        spec=spec.replace(lengths_known=True))
+                        prefix_host=b.prefix_host, spec=spec.replace(lengths_known=True))
 
 
 def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None) -> PackedCall:
     """The call from the operator's arguments alone (contents not checked)."""
-    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k)
+    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
+                          prefix_lens, sinks)
     return PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      dropout_key=dropout_key)
+                      dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,16 +193,16 @@ def _forward(impl, call: PackedCall) -> tuple:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
-               options, max_seqlen_q, max_seqlen_k):
+               options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None):
     impl = _impl_of(backend)  # a refused call is refused before its contents are read
     return _forward(impl, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                      dropout_key, options, max_seqlen_q, max_seqlen_k))
+                                      dropout_key, options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks))
 
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    backend, options, max_seqlen_q, max_seqlen_k):
+                    backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None):
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_seqlen_q, max_seqlen_k)
+                    max_seqlen_q, max_seqlen_k, prefix_lens, sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
     state = () if backend.startswith(_REFUSED) else IMPLS[Backend(backend)].fake_state(call)
@@ -206,19 +218,24 @@ torch.library.register_fake("jagged_sdpa::attention", _attention_fake, lib=_LIB)
 
 
 def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                        alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
+                        alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None,
+                        sinks=None):
     call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    options, max_seqlen_q, max_seqlen_k)
+                    options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks)
     impl = _impl_of(backend)
     grads = impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
     return list(grads)
 
 
 def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                             block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k):
+                             block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k,
+                             prefix_lens=None, sinks=None):
     grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
-    if _parse_options(options)["alibi_grad"]:
+    parsed = _parse_options(options)
+    if parsed["alibi_grad"]:
         grads.append(torch.empty_like(alibi_slopes))
+    if parsed["sinks_grad"]:
+        grads.append(torch.empty_like(sinks))
     return grads
 
 
@@ -227,19 +244,28 @@ torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backwa
 
 def _setup_context(ctx, inputs, output):
     out, lse, state = output
-    ctx.save_for_backward(*inputs[:9], out, lse, *state)
-    ctx.scalars = inputs[9:]
+    prefix_lens, sinks = (tuple(inputs[13:15]) + (None, None))[:2]
+    ctx.save_for_backward(*inputs[:9], prefix_lens, sinks, out, lse, *state)
+    ctx.scalars = inputs[9:13]   # backend, options, max_seqlen_q, max_seqlen_k
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_state):
-    q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, out, lse, *state = ctx.saved_tensors
+    (q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, prefix_lens, sinks, out, lse,
+     *state) = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, seqused_k,
-                                                     block_table, slopes, dropout_key, *ctx.scalars)
-    dslopes = grads[3] if len(grads) > 3 else None
-    return grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None
+                                                     block_table, slopes, dropout_key, *ctx.scalars, prefix_lens,
+                                                     sinks)
+    parsed = _parse_options(ctx.scalars[1])
+    dslopes = grads[3] if parsed["alibi_grad"] else None
+    dsinks = grads[3 + parsed["alibi_grad"]] if parsed["sinks_grad"] else None
+    result = (grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None, None,
+              dsinks)
+    # The dispatcher drops trailing arguments equal to their defaults (prefix_lens, sinks = None)
+    # from the inputs it matches this tuple against.
+    return result[:len(ctx.needs_input_grad)]
 
 
 torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_context=_setup_context, lib=_LIB)
@@ -269,16 +295,22 @@ def _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, products_d
     return 2 * q.shape[1] * pairs * (products_d * q.shape[-1] + products_dv * v.shape[-1])
 
 
+def _max_k_arg(args: tuple, kwargs: dict):
+    """max_seqlen_k among the arguments after seqused_k (block_table, ..., max_seqlen_q, max_seqlen_k,
+    then the optional prefix_lens and sinks)."""
+    return args[6] if len(args) > 6 else kwargs["max_seqlen_k"]
+
+
 @register_flop_formula(torch.ops.jagged_sdpa.attention, get_raw=True)
-def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *args, out_val=None, **_kwargs) -> int:
-    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args[-1], 1, 1)  # Q.K^T, P.V
+def _attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *args, out_val=None, **kwargs) -> int:
+    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _max_k_arg(args, kwargs), 1, 1)  # Q.K^T, P.V
 
 
 @register_flop_formula(torch.ops.jagged_sdpa.attention_backward, get_raw=True)
 def _attention_backward_flops(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, *args,
-                              out_val=None, **_kwargs) -> int:
+                              out_val=None, **kwargs) -> int:
     # Q.K^T again, dS.K, dS^T.Q over D; dO.V^T, P^T.dO over Dv
-    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args[-1], 3, 2)
+    return _flops(q, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _max_k_arg(args, kwargs), 3, 2)
 
 
 def unobserved(call: PackedCall) -> bool:
@@ -297,7 +329,7 @@ class _UnobservedAttention(torch.autograd.Function):
     operator runs them, under one plain autograd Function (whose forward runs without grad)."""
 
     @staticmethod
-    def forward(ctx, impl, call: PackedCall, q, k, v, alibi_slopes):
+    def forward(ctx, impl, call: PackedCall, q, k, v, alibi_slopes, sinks):
         result = impl.forward(_keeping_lse(call))
         ctx.impl, ctx.call = impl, call
         ctx.save_for_backward(q, k, v, result.out, result.lse, *(result.state or ()))
@@ -311,7 +343,8 @@ class _UnobservedAttention(torch.autograd.Function):
         if not (q is call.q and k is call.k and v is call.v):
             call = call.replace(q=q, k=k, v=v)
         grads = ctx.impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
-        return None, None, grads[0], grads[1], grads[2], grads[3] if len(grads) > 3 else None
+        dq, dk, dv, dslopes, dsinks = split_grads(call.spec, grads)
+        return None, None, dq, dk, dv, dslopes, dsinks
 
 
 def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput:
@@ -324,15 +357,15 @@ def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput
         if runner is not None and not spec.needs_grad:
             return runner(call)
         if spec.needs_grad:
-            out, lse = _UnobservedAttention.apply(IMPLS[backend], call, call.q, call.k, call.v, call.alibi_slopes)
+            out, lse = _UnobservedAttention.apply(IMPLS[backend], call, call.q, call.k, call.v, call.alibi_slopes,
+                                                  call.sinks)
             return AttnOutput(out, lse if spec.return_lse else None)
         result = IMPLS[backend].forward(call)  # what ``_forward`` does, without the lse it must return
         return result if spec.return_lse or result.lse is None else AttnOutput(result.out, None)
     compiling = torch.compiler.is_compiling()
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
             call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
-            options_of(spec), spec.max_seqlen_q,
-            spec.max_seqlen_k)
+            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks)
     if spec.needs_grad or compiling:
         out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
     else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)

@@ -34,6 +34,7 @@ class Options:
     return_lse: bool = False
     forced: Optional[Backend] = None
     notes: tuple = ()
+    chunk_size: Optional[int] = None     # API.md 11; normalised per call by ``inputs.effective_chunk``
 
     def scale_for(self, head_dim: int) -> float:
         return inputs.validate_scale(self.scale_name, self.scale, head_dim)
@@ -58,7 +59,7 @@ def _cached(build, *args):
     return found
 
 
-def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend) -> Options:
+def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size) -> Options:
     inputs.validate_bool("causal", causal)
     inputs.validate_bool("return_lse", return_lse)
     forced = None if backend is None else to_backend(backend)
@@ -67,18 +68,19 @@ def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, 
     p = inputs.validate_dropout(dropout_p)
     run_p, notes = inputs.dropout_to_run(p)
     inputs.validate_scale("softmax_scale", softmax_scale, 1)
+    chunk = inputs.validate_chunk_size(chunk_size)
     return Options("varlen", causal, "bottom_right", window, cap, p, run_p,
                    None if softmax_scale is None else float(softmax_scale), "softmax_scale", return_lse, forced,
-                   tuple(notes))
+                   tuple(notes), chunk)
 
 
 def varlen(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
-           backend=None) -> Options:
+           backend=None, chunk_size=None) -> Options:
     """The Options of ``varlen_attention``'s (and ``plan``'s) keyword arguments."""
-    return _cached(_varlen, dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
+    return _cached(_varlen, dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size)
 
 
-def _sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend) -> Options:
+def _sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend, chunk_size) -> Options:
     inputs.validate_bool("is_causal", is_causal)
     forced = None if backend is None else to_backend(backend)
     alignment = inputs.validate_alignment(causal_alignment)
@@ -87,11 +89,12 @@ def _sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, b
     p = inputs.validate_dropout(dropout_p)
     run_p, notes = inputs.dropout_to_run(p)
     inputs.validate_scale("scale", scale, 1)
+    chunk = inputs.validate_chunk_size(chunk_size)
     return Options("sdpa", is_causal, alignment, window, cap, p, run_p, None if scale is None else float(scale),
-                   "scale", False, forced, tuple(notes))
+                   "scale", False, forced, tuple(notes), chunk)
 
 
 def sdpa(dropout_p=0.0, is_causal=False, scale=None, causal_alignment="top_left", window_size=None, softcap=None,
-         backend=None) -> Options:
+         backend=None, chunk_size=None) -> Options:
     """The Options of ``sdpa``'s arguments."""
-    return _cached(_sdpa, dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend)
+    return _cached(_sdpa, dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend, chunk_size)

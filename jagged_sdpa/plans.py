@@ -73,26 +73,28 @@ class Plan:
 
     # -- per layer -------------------------------------------------------------------------------
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, *, alibi_slopes: Optional[Tensor] = None):
-        """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=...)``: out, or
-        (out, lse) with ``return_lse=True``."""
-        result = self._run(q, k, v, alibi_slopes, validated=False)
+    def run(self, q: Tensor, k: Tensor, v: Tensor, *, alibi_slopes: Optional[Tensor] = None,
+            sinks: Optional[Tensor] = None):
+        """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=..., sinks=...)``: out,
+        or (out, lse) with ``return_lse=True``."""
+        result = self._run(q, k, v, alibi_slopes, validated=False, sinks=sinks)
         return (result.out, result.lse) if self._options.return_lse else result.out
 
-    def explain(self, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None) -> Explanation:
+    def explain(self, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
+                sinks: Optional[Tensor] = None) -> Explanation:
         """Which backend ``run(q, k, v, ...)`` would take, and why not the others; runs nothing."""
-        return self._explain(q, k, v, alibi_slopes, validated=False)
+        return self._explain(q, k, v, alibi_slopes, validated=False, sinks=sinks)
 
-    def _explain(self, q, k, v, alibi_slopes, validated: bool) -> Explanation:
+    def _explain(self, q, k, v, alibi_slopes, validated: bool, sinks=None) -> Explanation:
         q, k, v = autocast(q, k, v)
-        prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False)
+        prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False, sinks=sinks)
         return with_notes(select(prepared.spec, self._options.forced), prepared.notes)
 
-    def _run(self, q, k, v, alibi_slopes, validated: bool) -> AttnOutput:
+    def _run(self, q, k, v, alibi_slopes, validated: bool, sinks=None) -> AttnOutput:
         """The run of a call whose q, k, v are packed; ``validated`` when the caller (``sdpa``)
         has checked their kinds and shapes itself."""
         q, k, v = autocast(q, k, v)
-        call, prepared = self._call(q, k, v, alibi_slopes, validated)
+        call, prepared = self._call(q, k, v, alibi_slopes, validated, sinks=sinks)
         runner = prepared.runner
         if runner is _NOT_YET:  # built on the first run that would go straight to the backend
             runner = None
@@ -103,43 +105,49 @@ class Plan:
             result = AttnOutput(result.out * 0, result.lse)
         return result
 
-    def _call(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True
+    def _call(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True, sinks=None
               ) -> tuple[PackedCall, _Prepared]:
         """The call ``run`` hands to ``ops.run``, and what its kind's first run prepared (no
         backend when not ``choosing``: the call only described, as tests inspect it)."""
         if not choosing:
-            prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False)
+            prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False, sinks=sinks)
         elif (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
-              and (alibi_slopes is None or type(alibi_slopes) is Tensor)):
+              and (alibi_slopes is None or type(alibi_slopes) is Tensor) and (sinks is None or type(sinks) is Tensor)):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-                alibi_slopes is not None and alibi_slopes.requires_grad))
+                alibi_slopes is not None and alibi_slopes.requires_grad) or (sinks is not None and sinks.requires_grad))
             kind = (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape, v.shape,
                     q.stride(), k.stride(), v.stride(), grad, _ORDER.get(),
                     None if alibi_slopes is None else (type(alibi_slopes), alibi_slopes.dtype, alibi_slopes.device,
-                                                       alibi_slopes.shape, alibi_slopes.requires_grad))
+                                                       alibi_slopes.shape, alibi_slopes.requires_grad),
+                    None if sinks is None else (sinks.dtype, sinks.device, sinks.shape, sinks.requires_grad))
             prepared = self._kinds.get(kind)
             if prepared is None:
-                prepared = self._prepare(q, k, v, alibi_slopes, validated)
+                prepared = self._prepare(q, k, v, alibi_slopes, validated, sinks=sinks)
                 if len(self._kinds) >= 32:
                     self._kinds.clear()
                 self._kinds[kind] = prepared
         else:
-            prepared = self._prepare(q, k, v, alibi_slopes, validated)
+            prepared = self._prepare(q, k, v, alibi_slopes, validated, sinks=sinks)
         b = self._batch
+        spec = prepared.spec
         call = PackedCall(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, prepared.run_spec, alibi_slopes, b.seqused_k,
                           b.block_table, b.cu_q_host, b.cu_k_host, b.seqused_host,
-                          keyed_dropout.draw_key() if prepared.spec.dropout_p else None, self._refusal)
+                          keyed_dropout.draw_key() if spec.dropout_p else None, self._refusal,
+                          b.prefix_lens if spec.prefix else None, b.prefix_host if spec.prefix else None,
+                          sinks if spec.sinks else None)
         return call, prepared
 
-    def _prepare(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True) -> _Prepared:
+    def _prepare(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True, sinks=None) -> _Prepared:
         """A kind's first run: check the tensors against the plan, build the spec, select."""
         b, o = self._batch, self._options
         if not validated:
             inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, b.block_table, b.seqused_k)
         alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
+        has_sinks = inputs.validate_sinks(sinks, q.shape[1], q.device)
         if choosing or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
             b.bind(q.shape[0], k)
-        spec = spec_of(b, o, q, k, v, alibi, _needs_grad(alibi_slopes), _needs_grad(q, k, v, alibi_slopes))
+        spec = spec_of(b, o, q, k, v, alibi, _needs_grad(alibi_slopes), _needs_grad(q, k, v, alibi_slopes, sinks),
+                       has_sinks, _needs_grad(sinks))
         notes = o.notes + self._layout_notes
         if not choosing or self._refusal is not None:
             return _Prepared(spec, None, notes)
@@ -151,14 +159,15 @@ class Plan:
 
     def update(self, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
                max_seqlen_k: Optional[int] = None, *, block_table: Optional[Tensor] = None,
-               seqused_k: Optional[Tensor] = None) -> None:
+               seqused_k: Optional[Tensor] = None, prefix_lens: Optional[Tensor] = None) -> None:
         """Point the plan at a new batch of the same size, validated like ``plan``; the plan's own
         buffers are refilled in place (a captured CUDA graph reads them)."""
         old = self._batch
         new = _validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
-                               own=False)
+                               own=False, prefix_lens=prefix_lens)
         like = lambda b: (f"B={b.size}" + (f", block_table of shape {tuple(b.block_table.shape)}" if b.paged else "")
-                          + (", with seqused_k" if b.seqused_k is not None else ", without seqused_k"))
+                          + (", with seqused_k" if b.seqused_k is not None else ", without seqused_k")
+                          + (", with prefix_lens" if b.prefix_lens is not None else ", without prefix_lens"))
         if like(new) != like(old):
             raise ValueError(f"update needs a batch like the plan's ({like(old)}), got {like(new)}")
         cu_q = _refill(old.cu_seqlens_q, new.cu_seqlens_q)
@@ -170,7 +179,8 @@ class Plan:
             cu_k = _refill(old.cu_seqlens_k, new.cu_seqlens_k)
         self._batch = dataclasses.replace(new, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                           block_table=_refill(old.block_table, new.block_table),
-                                          seqused_k=_refill(old.seqused_k, new.seqused_k))
+                                          seqused_k=_refill(old.seqused_k, new.seqused_k),
+                                          prefix_lens=_refill(old.prefix_lens, new.prefix_lens))
         self._kinds.clear()
 
     @property
@@ -202,12 +212,21 @@ def _refill(mine: Optional[Tensor], theirs: Optional[Tensor]) -> Optional[Tensor
 
 
 def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, alibi: Optional[str],
-            alibi_grad: bool, needs_grad: bool) -> AttnSpec:
+            alibi_grad: bool, needs_grad: bool, sinks: bool = False, sinks_grad: bool = False) -> AttnSpec:
     """The selection key and run contract of one layer's call: the batch's facts, the options,
-    the tensors' metadata. The one place an AttnSpec of a wrapper call is made."""
+    the tensors' metadata. The one place an AttnSpec of a wrapper call is made.
+
+    Options that provably change nothing are normalised away, so that every backend takes such
+    calls: a window side past every key, a chunk_size covering every key and row
+    (``inputs.effective_chunk``), and prefix_lens that are all 0 or whose rows see every key anyway
+    (no causal, window or chunk mask to widen)."""
     fields = ops.tensor_fields(q, k, v, b.size, b.block_table, b.seqused_k)
     equal = b.equal_lengths or (b.kv_dense and b.max_seqlen_q == b.max_seqlen_k
                                 and q.shape[0] == b.size * b.max_seqlen_k)
+    window = inputs.effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k)
+    chunk = inputs.effective_chunk(o.chunk_size, o.causal, o.alignment, b.max_seqlen_q, b.max_seqlen_k,
+                                   equal or (b.kv_dense and b.max_seqlen_q <= b.max_seqlen_k))
+    prefix = b.prefix_matters and (o.causal or window != (-1, -1) or chunk is not None)
     return AttnSpec(
         entry=o.entry,
         **fields,
@@ -219,7 +238,7 @@ def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, 
         kv_dense=b.kv_dense,
         causal=o.causal,
         alignment=o.alignment,
-        window=inputs.effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k),
+        window=window,
         softcap=o.softcap,
         alibi=alibi,
         alibi_grad=alibi is not None and alibi_grad,
@@ -228,6 +247,10 @@ def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, 
         needs_grad=needs_grad,
         return_lse=o.return_lse,
         equal_lengths=equal,
+        chunk_size=chunk,
+        prefix=prefix,
+        sinks=sinks,
+        sinks_grad=sinks and sinks_grad,
     )
 
 
@@ -260,29 +283,34 @@ def missing_max(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[
                                                  else ""))
 
 
-def _validated_batch(cu_q, cu_k, max_q, max_k, block_table, seqused_k, *, own: bool = True) -> batches.Batch:
+def _validated_batch(cu_q, cu_k, max_q, max_k, block_table, seqused_k, *, own: bool = True,
+                     prefix_lens: Optional[Tensor] = None) -> batches.Batch:
     """A plan's batch: metadata checked, copied (``own``: the caller's tensors may change later),
     read on the host unless the device is an accelerator and both max lengths are given."""
     inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
+    inputs.validate_prefix_lens(prefix_lens, cu_q.shape[0] - 1, cu_q.device)
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_k)
     if own:
-        copies = {id(t): t.clone() for t in (cu_q, cu_k, block_table, seqused_k) if t is not None}
-        cu_q, cu_k, block_table, seqused_k = (None if t is None else copies[id(t)]
-                                              for t in (cu_q, cu_k, block_table, seqused_k))
+        tensors = (cu_q, cu_k, block_table, seqused_k, prefix_lens)
+        copies = {id(t): t.clone() for t in tensors if t is not None}
+        cu_q, cu_k, block_table, seqused_k, prefix_lens = (None if t is None else copies[id(t)] for t in tensors)
     read = host_read(cu_q.device, max_q, max_k)
-    return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read)
+    return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read,
+                         prefix_lens=prefix_lens)
 
 
 def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
          max_seqlen_k: Optional[int] = None, *, dropout_p=0.0, softmax_scale=None, causal=False,
-         window_size=(-1, -1), softcap=0.0, return_lse=False, block_table: Optional[Tensor] = None,
-         seqused_k: Optional[Tensor] = None, backend=None) -> Plan:
+         window_size=(-1, -1), softcap=0.0, chunk_size=None, prefix_lens: Optional[Tensor] = None,
+         return_lse=False, block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+         backend=None) -> Plan:
     """Validate a batch once, for ``run`` in every layer (API.md section 10).
 
     Arguments mean what they mean in ``varlen_attention``; bad metadata or options raise the same
-    errors. The plan keeps copies of ``cu_seqlens_*``, ``block_table`` and ``seqused_k``: later
-    changes to the caller's tensors do not reach it (``update`` points it at a new batch).
+    errors. The plan keeps copies of ``cu_seqlens_*``, ``block_table``, ``seqused_k`` and
+    ``prefix_lens``: later changes to the caller's tensors do not reach it (``update`` points it at a
+    new batch). ``chunk_size``, ``prefix_lens`` and ``run``'s ``sinks``: API.md section 11.
 
     Example::
 
@@ -290,9 +318,9 @@ def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Opt
         for layer in layers:
             out = p.run(q[layer], k[layer], v[layer])
     """
-    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend)
-    return Plan(_validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k),
-                options)
+    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size)
+    return Plan(_validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                                 prefix_lens=prefix_lens), options)
 
 
 def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = None,

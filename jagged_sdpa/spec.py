@@ -69,6 +69,10 @@ class AttnSpec:
     block_size: int = 0                   # paged cache block size (0 when not paged)
     seqused_k: bool = False               # a seqused_k tensor limits the keys of each sequence
     equal_lengths: bool = False           # every sequence has Lq == Lk (known without a read, or read)
+    chunk_size: Optional[int] = None      # chunked local attention (API.md 11); None = off (or a no-op)
+    prefix: bool = False                  # prefix_lens given (prefix-LM, API.md 11) and able to change the mask
+    sinks: bool = False                   # a per-head sink logit (Hq,) in every row's softmax denominator
+    sinks_grad: bool = False              # the sinks themselves need a gradient
 
     @property
     def gqa_group(self) -> int:
@@ -100,6 +104,12 @@ class AttnSpec:
             parts.append(f"alibi={self.alibi}" + ("(grad)" if self.alibi_grad else ""))
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p:g}")
+        if self.chunk_size is not None:
+            parts.append(f"chunk_size={self.chunk_size}")
+        if self.prefix:
+            parts.append("prefix_lens")
+        if self.sinks:
+            parts.append("sinks" + ("(grad)" if self.sinks_grad else ""))
         if self.paged:
             parts.append(f"paged(block_size={self.block_size})")
         if self.kv_dense:
@@ -120,6 +130,8 @@ class PackedCall:
     [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
     refusal: why the call may not run, raised as a ValueError when its operator runs (a call
     traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
+    prefix_lens: int32 (B,) (API.md 11) when ``spec.prefix``, else None; prefix_host its values
+    read on the host (None when not read). sinks: float (Hq,) when ``spec.sinks``, else None.
     """
 
     q: Tensor
@@ -136,6 +148,9 @@ class PackedCall:
     seqused_k_host: Optional[tuple[int, ...]] = None
     dropout_key: Optional[Tensor] = None
     refusal: Optional[str] = None
+    prefix_lens: Optional[Tensor] = None
+    prefix_host: Optional[tuple[int, ...]] = None
+    sinks: Optional[Tensor] = None
 
     def replace(self, **changes) -> "PackedCall":
         return _replaced(self, changes)
@@ -145,6 +160,13 @@ class PackedCall:
         if self.alibi_slopes is None:
             return None
         return self.alibi_slopes if self.alibi_slopes.dim() == 1 else self.alibi_slopes[b]
+
+    def prefixes_host(self) -> Optional[tuple[int, ...]]:
+        """Every sequence's prefix length P_b (read now when the call was made without a host
+        read), or None without prefix_lens."""
+        if self.prefix_lens is None:
+            return None
+        return self.prefix_host if self.prefix_host is not None else tuple(self.prefix_lens.tolist())
 
     def key_ranges_host(self) -> list[tuple[int, int]]:
         """(start, length) of every sequence's keys; packed keys only (not paged)."""

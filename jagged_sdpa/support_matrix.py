@@ -48,6 +48,10 @@ ROWS = (
     ("zero-length sequences", lambda c: _yes(c.empty_sequences)),
     ("seqused_k", lambda c: _yes(c.seqused_k)),
     ("paged KV cache", lambda c: _yes(c.paged)),
+    ("attention sinks (`sinks`)", lambda c: _yes(c.sinks)),
+    ("gradient of the sinks", lambda c: _yes(c.sinks and c.sinks_grad)),
+    ("chunked attention (`chunk_size`)", lambda c: _yes(c.chunked)),
+    ("prefix-LM (`prefix_lens`)", lambda c: _yes(c.prefix)),
 )
 
 

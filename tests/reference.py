@@ -2,6 +2,13 @@
 
 It is deliberately boring: an explicit loop over sequences, query rows' aligned positions written
 out once, an explicit boolean mask. Rows that see no key give out 0 and lse -inf.
+
+API.md section 11, written from the contract's formulas (not from jagged_sdpa's position code):
+``chunk_size`` C keeps (query, key) pairs whose chunk ids, Python's floor division of the aligned
+position and of the key position by C, agree; ``prefix_lens`` P_b additionally shows every key
+j < P_b to the rows at aligned positions < P_b; ``sinks`` add e^{sink_h} to every row's
+denominator: out_i = sum_j e^{s_ij} v_j / (e^{sink_h} + sum_j e^{s_ij}), lse_i =
+log(e^{sink_h} + sum_j e^{s_ij}), a row that sees no key gives out 0 and lse sink_h.
 """
 
 from __future__ import annotations
@@ -29,14 +36,32 @@ def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
     return keep
 
 
+def chunk_prefix_mask(keep, len_q, len_k, *, alignment, chunk_size=None, prefix=0):
+    """``keep`` (Lq, Lk) with API.md 11's chunk rule ANDed in and the prefix rule ORed in."""
+    shift = len_k - len_q if alignment == "bottom_right" else 0
+    keep = keep.clone()
+    for i in range(len_q):
+        pos = i + shift
+        for j in range(len_k):
+            if chunk_size is not None and math.floor(pos / chunk_size) != math.floor(j / chunk_size):
+                keep[i, j] = False
+            if pos < prefix and j < prefix:
+                keep[i, j] = True
+    return keep
+
+
 def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignment="top_left",
                         window=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, dropout_p=0.0,
-                        dropout_keep=None):
+                        dropout_keep=None, sinks=None, chunk_size=None, prefix_lens=None):
     """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_* lists or int tensors.
 
     Dropout: ``dropout_keep(b, len_q, len_k)`` gives sequence b's bool keep mask (Hq, Lq, Lk) (the
     tests pass the keyed mask, so a dropout call is compared exactly); kept probabilities are
     multiplied by 1 / (1 - dropout_p) before the product with V. The lse does not see dropout.
+
+    ``sinks`` (Hq,) (differentiable: pass a float64 leaf for its gradient), ``chunk_size`` (int or
+    None), ``prefix_lens`` (a list or int tensor of B prefix lengths): API.md section 11. Dropout
+    scales the key probabilities only.
 
     Returns (out float64 (total_q, Hq, Dv), lse float64 (Hq, total_q)).
     """
@@ -55,6 +80,9 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
         if len_q == 0:
             continue
         keep = keep_mask(len_q, len_k, causal=causal, alignment=alignment, window=window, device=q.device)
+        prefix = 0 if prefix_lens is None else int(prefix_lens[b])
+        if chunk_size is not None or prefix:
+            keep = chunk_prefix_mask(keep, len_q, len_k, alignment=alignment, chunk_size=chunk_size, prefix=prefix)
         dropped = dropout_keep(b, len_q, len_k).to(q.device) if dropout_p else None
         shift = len_k - len_q if alignment == "bottom_right" else 0
         for h in range(hq):
@@ -71,13 +99,16 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
                 j = torch.arange(len_k, device=q.device, dtype=torch.float64).unsqueeze(0)
                 s = s - slope.double().to(q.device) * (i - j).abs()  # differentiable in the slopes
             s = s.masked_fill(~keep, -math.inf)
+            sink = None if sinks is None else sinks[h].double().to(q.device)
             for i in range(len_q):
                 row = s[i]
                 if not keep[i].any():
+                    if sink is not None:
+                        lse[h, qs + i] = sink
                     continue
-                m = row.max()
+                m = row.max() if sink is None else torch.maximum(row.max(), sink)
                 p = torch.exp(row - m)
-                total = p.sum()
+                total = p.sum() if sink is None else p.sum() + torch.exp(sink - m)
                 prob = p / total
                 if dropped is not None:
                     prob = prob * dropped[h, i].double() / (1.0 - dropout_p)

@@ -51,6 +51,11 @@ class Capabilities:
     empty_sequences: bool = True
     paged: bool = False
     seqused_k: bool = True
+    # API.md section 11. Off unless declared: a backend applies these only once it says so.
+    sinks: bool = False               # per-head sink logits (forward, and backward with ``backward``)
+    sinks_grad: bool = False          # differentiates the sinks themselves
+    chunked: bool = False             # chunk_size
+    prefix: bool = False              # prefix_lens
     notes: tuple[str, ...] = field(default=())
 
 
@@ -119,6 +124,14 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield "paged KV cache (block_table) not supported"
     if spec.seqused_k and not caps.seqused_k:
         yield "seqused_k not supported"
+    if spec.sinks and not caps.sinks:
+        yield "sinks not supported (attention sinks, API.md 11)"
+    if spec.sinks_grad and caps.sinks and not caps.sinks_grad:
+        yield "sinks requires grad: no gradient for the sinks here"
+    if spec.chunk_size is not None and not caps.chunked:
+        yield f"chunk_size {spec.chunk_size} not supported (chunked attention, API.md 11)"
+    if spec.prefix and not caps.prefix:
+        yield "prefix_lens not supported (prefix-LM, API.md 11)"
 
 
 def capability_reasons(spec: AttnSpec, caps: Capabilities) -> tuple[Reason, ...]:

@@ -123,6 +123,75 @@ def effective_window(window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: i
     return tuple(-1 if side >= reach else side for side in window)
 
 
+def validate_chunk_size(chunk_size) -> Optional[int]:
+    """chunk_size (API.md 11): a positive int, or None (off)."""
+    if chunk_size is None:
+        return None
+    if not _is_int(chunk_size):
+        raise TypeError(f"chunk_size must be a positive int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (or None for no chunking), got {chunk_size}")
+    return int(chunk_size)
+
+
+def effective_chunk(chunk_size: Optional[int], causal: bool, alignment: str, max_seqlen_q: int, max_seqlen_k: int,
+                    no_negative_positions: bool) -> Optional[int]:
+    """chunk_size, or None where it provably changes nothing, so every backend can take the call.
+
+    Keys lie in chunk 0 when chunk_size >= max_seqlen_k. A row is unaffected when its aligned
+    position i' is in [0, chunk_size) too: top_left positions lie in [0, max_seqlen_q);
+    bottom_right ones lie below max_seqlen_k but are negative where a sequence has more queries
+    than keys, and such rows (chunk -1) lose their keys unless causal already hides every key
+    from them (j <= i' < 0).
+    """
+    if chunk_size is None or chunk_size < max_seqlen_k:
+        return chunk_size
+    if alignment == "top_left":
+        return None if chunk_size >= max_seqlen_q else chunk_size
+    return None if causal or no_negative_positions else chunk_size
+
+
+def validate_sinks(sinks, heads_q: int, device: torch.device) -> bool:
+    """sinks (API.md 11): a dense float (Hq,) tensor on q's device; returns whether given."""
+    if sinks is None:
+        return False
+    validate_tensor("sinks", sinks)
+    if sinks.is_nested:
+        raise TypeError("sinks must be a dense float tensor of shape (Hq,), got a nested tensor")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be a float tensor (float64, float32, float16 or bfloat16), got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+    return True
+
+
+def validate_prefix_lens(prefix_lens, batch: int, device: torch.device) -> None:
+    """prefix_lens (API.md 11): int32 (B,) on the batch's device (contents: ``batch.build``)."""
+    if prefix_lens is None:
+        return
+    validate_tensor("prefix_lens", prefix_lens)
+    if prefix_lens.is_nested:
+        raise TypeError("prefix_lens must be a dense int32 tensor of shape (B,), got a nested tensor")
+    if prefix_lens.dtype != torch.int32:
+        raise TypeError(f"prefix_lens must be int32, got {prefix_lens.dtype}")
+    if tuple(prefix_lens.shape) != (batch,):
+        raise ValueError(f"prefix_lens must have shape ({batch},) (one prefix length per sequence), got "
+                         f"{tuple(prefix_lens.shape)}")
+    if prefix_lens.device != device:
+        raise ValueError(f"prefix_lens is on {prefix_lens.device} but the query offsets are on {device}")
+
+
+def validate_prefix_values(prefix_host, key_lengths) -> None:
+    """0 <= prefix_lens[b] <= the key length of sequence b (values read on the host)."""
+    for b, (p, n) in enumerate(zip(prefix_host, key_lengths)):
+        if p < 0:
+            raise ValueError(f"prefix_lens[{b}] = {p} must be >= 0")
+        if p > n:
+            raise ValueError(f"prefix_lens[{b}] = {p} exceeds the key length {n} of sequence {b}")
+
+
 def validate_softcap(softcap, *, zero_means_off: bool) -> float:
     if softcap is None:
         return 0.0

@@ -42,7 +42,7 @@ def visible_keys(spec: AttnSpec, pos: int, len_k: int, prefix: int = 0) -> tuple
     if spec.chunk_size is not None:
         start = (pos // spec.chunk_size) * spec.chunk_size  # floor: -1 // C == -1
         lo, hi = max(lo, start), min(hi, start + spec.chunk_size)
-    if pos < prefix:
+    if prefix > 0 and pos < prefix:
         return 0, max(hi, prefix)
     return max(0, min(lo, len_k)), max(0, hi)
 

@@ -1,0 +1,486 @@
+"""API.md section 11: attention sinks, chunked attention (chunk_size) and prefix-LM (prefix_lens).
+
+- MATH against the float64 reference (tests/reference.py, written from the contract's formulas),
+  forward (out, lse) and backward (dq, dk, dv, and the sinks' gradient by float64 autograd of the
+  reference), for mixes of the three with each other and with causal (both alignments), window,
+  softcap, ALiBi (and its gradient), GQA, dropout, seqused_k, paged keys and empty sequences, with
+  MATH's blocks shrunk so block boundaries fall everywhere; ``gradcheck`` of the sinks.
+- Through ``varlen_attention``, ``sdpa`` (NJTs, dense key/value), ``plan.run`` (bit for bit equal
+  to ``varlen_attention``, forward and backward; ``update`` with new prefix_lens) and
+  ``torch.compile(fullgraph=True)`` (0 graph breaks, equal to eager); ``opcheck`` of the operators.
+- ``explain``: every other backend says why not, MATH is chosen; options that change nothing
+  (a chunk covering every key and row, all-zero prefixes) are normalised away.
+- Every rejected input: a ValueError/TypeError naming ``sinks``, ``chunk_size`` or ``prefix_lens``
+  before any kernel; the device-side form of the prefix_lens check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from cases import cu_of, njt, packed, paged_case
+from reference import attention_reference
+from tolerances import assert_close_lse, assert_close_packed
+
+import jagged_sdpa
+from jagged_sdpa import Backend, NoBackendError, batch as batches, ops
+from jagged_sdpa.backends import keyed_dropout
+from jagged_sdpa.backends import math as math_backend
+
+HQ, HKV, D = 4, 2, 8
+# Lq > Lk (negative bottom-right positions), Lq < Lk, an empty query and an empty key sequence.
+LQ = [5, 9, 0, 3, 6, 2]
+LK = [7, 9, 2, 4, 2, 0]
+PREFIX = [3, 9, 1, 0, 2, 0]
+
+MIXES = {
+    "sinks": dict(sinks=True),
+    "sinks_causal_lse": dict(sinks=True, causal=True),
+    "chunk_causal": dict(chunk_size=3, causal=True),
+    "chunk_window_noncausal": dict(chunk_size=3, window_size=(2, 1)),
+    "chunk_noncausal": dict(chunk_size=2),
+    "prefix_causal": dict(prefix=True, causal=True),
+    "prefix_window": dict(prefix=True, causal=True, window_size=(1, 0)),
+    "prefix_window_noncausal": dict(prefix=True, window_size=(1, 2)),   # prefix rows see past P
+    "prefix_chunk_noncausal_sinks": dict(prefix=True, chunk_size=4, sinks=True),
+    "prefix_chunk_sinks": dict(prefix=True, chunk_size=2, causal=True, sinks=True),
+    "everything": dict(prefix=True, chunk_size=3, causal=True, sinks=True, window_size=(4, 0), softcap=3.0,
+                       alibi=True),
+    "sinks_alibi_grad_softcap": dict(sinks=True, alibi=True, softcap=2.0, window_size=(-1, 1)),
+}
+
+
+def _inputs(dtype=torch.float32, lq=LQ, lk=LK, hq=HQ, hkv=HKV, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = packed(lq, hq, D, gen=gen).to(dtype).requires_grad_()
+    k = packed(lk, hkv, D, gen=gen).to(dtype).requires_grad_()
+    v = packed(lk, hkv, D, gen=gen).to(dtype).requires_grad_()
+    sinks = (torch.randn(hq, generator=gen) * 2).to(dtype).requires_grad_()
+    slopes = (torch.rand(hq, generator=gen) * 0.5).requires_grad_()
+    return q, k, v, sinks, slopes
+
+
+def _kwargs(mix, sinks, slopes, prefix_lens):
+    kw = {name: mix[name] for name in ("causal", "window_size", "softcap", "chunk_size") if name in mix}
+    if mix.get("sinks"):
+        kw["sinks"] = sinks
+    if mix.get("alibi"):
+        kw["alibi_slopes"] = slopes
+    if mix.get("prefix"):
+        kw["prefix_lens"] = prefix_lens
+    return kw
+
+
+def _reference(q, k, v, cu_q, cu_k, kw, alignment="bottom_right", **extra):
+    """float64 out, lse and the float64 leaves (q, k, v[, sinks][, slopes]) for gradients."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    sinks = slopes = None
+    if kw.get("sinks") is not None:
+        sinks = kw["sinks"].detach().double().requires_grad_()
+        leaves.append(sinks)
+    if kw.get("alibi_slopes") is not None:
+        slopes = kw["alibi_slopes"].detach().double().requires_grad_()
+        leaves.append(slopes)
+    prefix = kw.get("prefix_lens")
+    out, lse = attention_reference(
+        *leaves[:3], cu_q, cu_k, causal=kw.get("causal", False), alignment=alignment,
+        window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0), alibi_slopes=slopes, sinks=sinks,
+        chunk_size=kw.get("chunk_size"), prefix_lens=None if prefix is None else prefix.tolist(), **extra)
+    return out, lse, leaves
+
+
+def _grad_leaves(q, k, v, kw):
+    return [q, k, v] + [kw[n] for n in ("sinks", "alibi_slopes") if kw.get(n) is not None]
+
+
+def _check_grads(got, ref, cu_q, cu_k):
+    names = ["dq", "dk", "dv", "dsinks", "dslopes"][:len(got)]
+    if len(got) == 4 and len(ref) == 4 and got[3].shape != ref[3].shape:
+        names[3] = "dslopes"
+    for name, g, r in zip(names, got, ref):
+        if g.dim() == 3:
+            assert_close_packed(g, r, cu_seqlens=cu_q if name == "dq" else cu_k, name=name, grad=True)
+        else:
+            assert_close_packed(g.reshape(1, 1, -1), r.reshape(1, 1, -1), cu_seqlens=[0, 1], name=name, grad=True)
+
+
+@pytest.fixture(params=["blocks_of_1_to_3_rows", "default_blocks"])
+def blocks(request, monkeypatch):
+    if request.param.startswith("blocks_of"):  # (Hq, rows, keys) float32 scores of 2 rows x 9 keys
+        monkeypatch.setattr(math_backend, "SCORE_BUDGET_BYTES", HQ * 2 * 9 * 4)
+    return request.param
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH against the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", list(MIXES))
+def test_varlen_matches_reference_forward_and_backward(name, dtype, blocks):
+    mix = MIXES[name]
+    q, k, v, sinks, slopes = _inputs(dtype)
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    kw = _kwargs(mix, sinks, slopes, torch.tensor(PREFIX, dtype=torch.int32))
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), return_lse=True, **kw)
+    ref, ref_lse, ref_leaves = _reference(q, k, v, cu_q, cu_k, kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close_packed(out, ref, cu_seqlens=cu_q)
+    assert_close_lse(lse, ref_lse)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, _grad_leaves(q, k, v, kw), grad_out)
+    want = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+    for g, leaf in zip(got, _grad_leaves(q, k, v, kw)):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape
+    _check_grads(got, want, cu_q, cu_k)
+
+
+def test_empty_rows_with_sinks_give_zeros_and_lse_sink():
+    """A row that sees no key (empty key sequence; bottom-right chunk -1) outputs 0, lse sink_h."""
+    q, k, v, sinks, _ = _inputs()
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), sinks=sinks, chunk_size=2,
+                                            return_lse=True)
+    rows = torch.arange(sum(LQ) - 2, sum(LQ))          # the last sequence has no keys
+    assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+    assert torch.equal(lse[:, rows], sinks.detach().float().unsqueeze(1).expand(HQ, 2))
+    # Lq=6, Lk=2, non-causal bottom-right: rows 0..3 sit at positions -4..-1 (chunks -2, -1)
+    start = sum(LQ[:4])
+    assert torch.equal(out[start:start + 4], torch.zeros_like(out[start:start + 4]))
+    assert torch.isfinite(lse).all()
+
+
+def test_sinks_gradcheck():
+    lq, lk = [3, 2], [4, 2]
+    gen = torch.Generator().manual_seed(3)
+    q = packed(lq, 2, 4, torch.float64, gen=gen).requires_grad_()
+    k = packed(lk, 1, 4, torch.float64, gen=gen).requires_grad_()
+    v = packed(lk, 1, 4, torch.float64, gen=gen).requires_grad_()
+    sinks = torch.randn(2, dtype=torch.float64, generator=gen).requires_grad_()
+    prefix = torch.tensor([2, 1], dtype=torch.int32)
+    fn = lambda q, k, v, s: jagged_sdpa.varlen_attention(q, k, v, cu_of(lq), cu_of(lk), 3, 4, causal=True, sinks=s,
+                                                         chunk_size=2, prefix_lens=prefix)
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_low_precision_forward(dtype):
+    q, k, v, sinks, _ = _inputs(dtype)
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    kw = dict(causal=True, chunk_size=3, sinks=sinks, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    ref, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, kw)
+    assert out.dtype == dtype
+    assert_close_packed(out, ref, cu_seqlens=cu_q)
+    assert_close_lse(lse, ref_lse)
+    out.float().sum().backward()
+    assert sinks.grad.dtype == dtype and torch.isfinite(sinks.grad).all()
+
+
+def test_dropout_never_drops_the_sink():
+    """Keyed dropout scales the key probabilities only; compared exactly to the reference given
+    the call's own mask (the key the call draws, drawn again from the same seed)."""
+    p = 0.3
+    q, k, v, sinks, _ = _inputs(torch.float64)
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    kw = dict(causal=True, sinks=sinks, chunk_size=4, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    torch.manual_seed(11)
+    key = keyed_dropout.draw_key()
+    torch.manual_seed(11)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=p, **kw)
+    keep = lambda b, lq, lk: keyed_dropout.keep_mask(key, b, HQ, torch.arange(lq), torch.arange(lk), p)
+    ref, _, leaves = _reference(q, k, v, cu_q, cu_k, kw, dropout_p=p, dropout_keep=keep)
+    assert_close_packed(out, ref, cu_seqlens=cu_q)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v, sinks], grad_out)
+    _check_grads(got, torch.autograd.grad(ref, leaves, grad_out), cu_q, cu_k)
+
+
+def test_seqused_k_and_paged_keys():
+    """prefix_lens are bounded by seqused_k; paged keys give what packed keys give."""
+    q_lens, used, block_size = [3, 4, 1], [5, 2, 6], 2
+    gen = torch.Generator().manual_seed(5)
+    q = packed(q_lens, HQ, D, gen=gen).requires_grad_()
+    k = packed([6, 3, 7], HKV, D, gen=gen).requires_grad_()
+    v = packed([6, 3, 7], HKV, D, gen=gen).requires_grad_()
+    sinks = torch.randn(HQ, generator=gen).requires_grad_()
+    prefix = torch.tensor([4, 2, 0], dtype=torch.int32)
+    kw = dict(causal=True, chunk_size=2, sinks=sinks, prefix_lens=prefix, return_lse=True)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of([6, 3, 7]), seqused_k=seqused, **kw)
+    ref, ref_lse, leaves = _reference(q, k, v, cu_of(q_lens), cu_of([6, 3, 7]), kw, seqused_k=used)
+    assert_close_packed(out, ref, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+    gq, gs = torch.autograd.grad(out.sum(), [q, sinks])
+    rq, rs = torch.autograd.grad(ref.sum(), [leaves[0], leaves[3]])
+    _check_grads([gq, gs], [rq, rs], cu_of(q_lens), None)
+
+    k_cache, v_cache, table, seqused_p, k_ref, v_ref = paged_case(q_lens, used, block_size, HKV, D)
+    out_p, lse_p = jagged_sdpa.varlen_attention(q, k_cache, v_cache, cu_of(q_lens), None, max(q_lens), max(used),
+                                                block_table=table, seqused_k=seqused_p, **kw)
+    ref_p, ref_lse_p, _ = _reference(q, k_ref, v_ref, cu_of(q_lens), cu_of(used), kw)
+    assert_close_packed(out_p, ref_p, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse_p, ref_lse_p)
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_sdpa_njt_and_dense_kv(alignment):
+    lq, lk = [4, 6, 3], [5, 6, 2]
+    query = njt(lq, HQ, D, requires_grad=True)
+    key, value = njt(lk, HKV, D, requires_grad=True), njt(lk, HKV, D, requires_grad=True)
+    sinks = (torch.randn(HQ) * 2).requires_grad_()
+    prefix = torch.tensor([2, 6, 1], dtype=torch.int32)
+    kw = dict(is_causal=True, causal_alignment=alignment, enable_gqa=True, sinks=sinks, chunk_size=2,
+              prefix_lens=prefix)
+    out = jagged_sdpa.sdpa(query, key, value, **kw)
+    assert out.is_nested and out.shape[1] == HQ
+    q, k, v = (x.transpose(1, 2).values() for x in (query, key, value))
+    ref, _, leaves = _reference(q, k, v, cu_of(lq), cu_of(lk), dict(causal=True, sinks=sinks, chunk_size=2,
+                                                                     prefix_lens=prefix), alignment=alignment)
+    got = out.transpose(1, 2).values()
+    assert_close_packed(got, ref, cu_seqlens=cu_of(lq))
+    grad_out = torch.randn_like(got)
+    (gs,) = torch.autograd.grad(got, [sinks], grad_out)
+    (rs,) = torch.autograd.grad(ref, [leaves[3]], grad_out.double())
+    _check_grads([gs], [rs], None, None)
+
+    dense_k, dense_v = torch.randn(3, HKV, 5, D), torch.randn(3, HKV, 5, D)   # every query sees 5 keys
+    out_d = jagged_sdpa.sdpa(query, dense_k, dense_v, **dict(kw, prefix_lens=torch.tensor([5, 0, 3],
+                                                                                          dtype=torch.int32)))
+    k_p, v_p = (x.transpose(1, 2).reshape(15, HKV, D) for x in (dense_k, dense_v))
+    ref_d, _, _ = _reference(q, k_p, v_p, cu_of(lq), cu_of([5, 5, 5]),
+                             dict(causal=True, sinks=sinks, chunk_size=2, prefix_lens=torch.tensor([5, 0, 3])),
+                             alignment=alignment)
+    assert_close_packed(out_d.transpose(1, 2).values(), ref_d, cu_seqlens=cu_of(lq))
+
+
+# ----------------------------------------------------------------------------------------------
+# plans
+
+
+def test_plan_run_is_varlen_bit_for_bit_and_update_takes_new_prefixes():
+    q, k, v, sinks, slopes = _inputs()
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    prefix = torch.tensor(PREFIX, dtype=torch.int32)
+    opts = dict(causal=True, chunk_size=3, window_size=(5, 0), return_lse=True)
+    p = jagged_sdpa.plan(cu_q, cu_k, max(LQ), max(LK), prefix_lens=prefix, **opts)
+    prefix.fill_(0)   # the plan keeps its own copy
+    out, lse = p.run(q, k, v, sinks=sinks, alibi_slopes=slopes)
+    want, want_lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK),
+                                                  prefix_lens=torch.tensor(PREFIX, dtype=torch.int32), sinks=sinks,
+                                                  alibi_slopes=slopes, **opts)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    g_out = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v, sinks, slopes], g_out),
+                    torch.autograd.grad(want, [q, k, v, sinks, slopes], g_out)):
+        assert torch.equal(a, b)
+    assert p.explain(q, k, v, sinks=sinks).chosen == Backend.MATH
+
+    new_prefix = torch.tensor([1, 2, 0, 4, 1, 0], dtype=torch.int32)
+    p.update(cu_q, cu_k, max(LQ), max(LK), prefix_lens=new_prefix)
+    out2, _ = p.run(q, k, v, sinks=sinks)
+    want2, _ = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), prefix_lens=new_prefix,
+                                            sinks=sinks, **opts)
+    assert torch.equal(out2, want2)
+    with pytest.raises(ValueError, match="prefix_lens"):
+        p.update(cu_q, cu_k, max(LQ), max(LK))                   # the plan was made with prefix_lens
+    with pytest.raises(ValueError, match=r"prefix_lens\[3\] = 5 exceeds"):
+        p.update(cu_q, cu_k, prefix_lens=torch.tensor([0, 0, 0, 5, 0, 0], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile and the operators
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _varlen(q, k, v, cu_q, cu_k, sinks, prefix):
+    return jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), causal=True, chunk_size=3,
+                                        sinks=sinks, prefix_lens=prefix, return_lse=True)
+
+
+def test_compile_fullgraph_equals_eager_without_graph_breaks(fresh_dynamo):
+    q, k, v, sinks, _ = _inputs()
+    args = (q, k, v, cu_of(LQ), cu_of(LK), sinks, torch.tensor(PREFIX, dtype=torch.int32))
+    explained = torch._dynamo.explain(lambda *a: _varlen(*a)[0].square().sum())(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got, got_lse = torch.compile(_varlen, fullgraph=True, backend="aot_eager")(*args)
+    want, want_lse = _varlen(*args)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, [q, k, v, sinks], g), torch.autograd.grad(want, [q, k, v, sinks], g)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_call_checks_prefix_lens_when_the_operator_runs(fresh_dynamo):
+    q, k, v, sinks, _ = _inputs()
+    bad = torch.tensor([3, 10, 1, 0, 2, 0], dtype=torch.int32)   # 10 > 9 keys of sequence 1
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\] = 10 exceeds"):
+        torch.compile(_varlen, fullgraph=True, backend="aot_eager")(q, k, v, cu_of(LQ), cu_of(LK), sinks, bad)
+
+
+def test_opcheck_with_sinks_chunk_and_prefix():
+    q, k, v, sinks, _ = _inputs()
+    p = jagged_sdpa.plan(cu_of(LQ), cu_of(LK), max(LQ), max(LK), causal=True, chunk_size=3,
+                         prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    call, prepared = p._call(q, k, v, None, False, sinks=sinks)
+    assert prepared.backend == Backend.MATH and call.spec.sinks_grad and call.spec.prefix and call.spec.chunk_size == 3
+    args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
+            call.alibi_slopes, call.dropout_key, "math", ops.options_of(call.spec), call.spec.max_seqlen_q,
+            call.spec.max_seqlen_k, call.prefix_lens, call.sinks)
+    torch.library.opcheck(torch.ops.jagged_sdpa.attention.default, args)
+    out, lse, state = torch.ops.jagged_sdpa.attention(*args)
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    grads = torch.ops.jagged_sdpa.attention_backward(torch.randn_like(out), *detached[:3], out.detach(), lse, state,
+                                                     *detached[3:])
+    assert len(grads) == 4 and grads[3].shape == sinks.shape
+    torch.library.opcheck(torch.ops.jagged_sdpa.attention_backward.default,
+                          (torch.randn_like(out), *detached[:3], out.detach(), lse, state, *detached[3:]))
+
+
+# ----------------------------------------------------------------------------------------------
+# explain, and options that change nothing
+
+
+def test_explain_names_every_other_backends_reason_and_takes_math():
+    q, k, v, sinks, _ = _inputs()
+    e = jagged_sdpa.explain(q, k, v, cu_of(LQ), cu_of(LK), max(LQ), max(LK), causal=True, sinks=sinks,
+                            chunk_size=3, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    assert e.chosen == Backend.MATH and e.reasons[Backend.MATH] == []
+    cpu = " ".join(e.reasons[Backend.CPU_FUSED])
+    assert "sinks not supported" in cpu and "chunk_size 3 not supported" in cpu and "prefix_lens not supported" in cpu
+    for backend in (Backend.TRITON, Backend.FLASH_VARLEN, Backend.EFFICIENT):
+        assert e.reasons[backend]
+    text = str(e)
+    assert "sinks" in text and "chunk_size=3" in text
+    with pytest.raises(NoBackendError, match="sinks not supported"):
+        jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), sinks=sinks, backend="cpu_fused")
+
+
+def test_options_that_change_nothing_are_normalised_away():
+    q, k, v, _, _ = _inputs()
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    spec = lambda **kw: jagged_sdpa.explain(q, k, v, cu_q, cu_k, max(LQ), max(LK), **kw).spec
+    # bottom-right causal: a chunk covering every key changes nothing (negative rows see no key anyway)
+    assert spec(causal=True, chunk_size=max(LK)).chunk_size is None
+    # non-causal with Lq > Lk: rows at negative positions are in chunk -1, so the chunk matters
+    assert spec(chunk_size=100).chunk_size == 100
+    assert spec(causal=True, chunk_size=max(LK) - 1).chunk_size == max(LK) - 1
+    zeros = torch.zeros(len(LQ), dtype=torch.int32)
+    assert not spec(causal=True, prefix_lens=zeros).prefix                     # all-zero prefixes
+    assert not spec(prefix_lens=torch.tensor(PREFIX, dtype=torch.int32)).prefix  # no mask to widen
+    assert spec(causal=True, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32)).prefix
+    e = jagged_sdpa.explain(q, k, v, cu_q, cu_k, max(LQ), max(LK), causal=True, chunk_size=64, prefix_lens=zeros)
+    assert not any("chunk_size" in r or "prefix_lens" in r for rs in e.reasons.values() for r in rs)
+    # and the results agree with the reference all the same
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, chunk_size=64, prefix_lens=zeros)
+    ref, _, _ = _reference(q, k, v, cu_q, cu_k, dict(causal=True, chunk_size=64, prefix_lens=zeros))
+    assert_close_packed(out, ref, cu_seqlens=cu_q)
+    # sdpa top_left: the chunk must also cover every query row
+    query, key = njt([6, 2], 2, 4), njt([3, 2], 2, 4)
+    sdpa_spec = lambda c: jagged_sdpa.explain(query, key, key, is_causal=True, chunk_size=c).spec
+    assert sdpa_spec(6).chunk_size is None and sdpa_spec(3).chunk_size == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# rejected inputs
+
+
+def _call(**kw):
+    q, k, v, _, _ = _inputs()
+    return jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), **kw)
+
+
+@pytest.mark.parametrize("sinks, error, match", [
+    (torch.zeros(HQ + 1), ValueError, r"sinks must have shape \(4,\)"),
+    (torch.zeros(1, HQ), ValueError, r"sinks must have shape \(4,\)"),
+    (torch.zeros(HQ, dtype=torch.int64), TypeError, "sinks must be a float tensor"),
+    ([0.0] * HQ, TypeError, "sinks must be a torch.Tensor"),
+    (torch.zeros(HQ, device="meta"), ValueError, "sinks is on meta"),
+])
+def test_bad_sinks(sinks, error, match):
+    with pytest.raises(error, match=match):
+        _call(sinks=sinks)
+    q, k, v, _, _ = _inputs()
+    p = jagged_sdpa.plan(cu_of(LQ), cu_of(LK))
+    with pytest.raises(error, match=match):
+        p.run(q, k, v, sinks=sinks)
+
+
+@pytest.mark.parametrize("chunk_size, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError),
+                                               (True, TypeError), ("4", TypeError)])
+def test_bad_chunk_size(chunk_size, error):
+    with pytest.raises(error, match="chunk_size"):
+        _call(chunk_size=chunk_size)
+    with pytest.raises(error, match="chunk_size"):
+        jagged_sdpa.plan(cu_of(LQ), cu_of(LK), chunk_size=chunk_size)
+    query = njt([2, 3], 2, 4)
+    with pytest.raises(error, match="chunk_size"):
+        jagged_sdpa.sdpa(query, query, query, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("prefix, error, match", [
+    (torch.tensor(PREFIX, dtype=torch.int64), TypeError, "prefix_lens must be int32"),
+    (torch.tensor(PREFIX[:-1], dtype=torch.int32), ValueError, r"prefix_lens must have shape \(6,\)"),
+    (torch.tensor([PREFIX], dtype=torch.int32), ValueError, r"prefix_lens must have shape \(6,\)"),
+    (PREFIX, TypeError, "prefix_lens must be a torch.Tensor"),
+    (torch.tensor([0, -1, 0, 0, 0, 0], dtype=torch.int32), ValueError, r"prefix_lens\[1\] = -1 must be >= 0"),
+    (torch.tensor([0, 0, 0, 0, 0, 1], dtype=torch.int32), ValueError, r"prefix_lens\[5\] = 1 exceeds the key length 0"),
+    (torch.tensor([8, 0, 0, 0, 0, 0], dtype=torch.int32), ValueError, r"prefix_lens\[0\] = 8 exceeds the key length 7"),
+    (torch.zeros(6, dtype=torch.int32, device="meta"), ValueError, "prefix_lens is on meta"),
+])
+def test_bad_prefix_lens(prefix, error, match, monkeypatch):
+    ran = []
+    monkeypatch.setattr(math_backend.MathBackend, "forward", classmethod(lambda cls, call: ran.append(call)))
+    with pytest.raises(error, match=match):
+        _call(causal=True, prefix_lens=prefix)
+    with pytest.raises(error, match=match):
+        jagged_sdpa.plan(cu_of(LQ), cu_of(LK), causal=True, prefix_lens=prefix)
+    assert not ran
+
+
+def test_bad_prefix_lens_against_seqused_k_paged_and_sdpa():
+    q, k, v, _, _ = _inputs()
+    seqused = torch.tensor([7, 3, 2, 4, 2, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\] = 4 exceeds the key length 3"):
+        jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), seqused_k=seqused,
+                                     prefix_lens=torch.tensor([0, 4, 0, 0, 0, 0], dtype=torch.int32))
+    k_cache, v_cache, table, used, _, _ = paged_case([2, 1], [3, 1], 2, HKV, D)
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\] = 2 exceeds the key length 1"):
+        jagged_sdpa.varlen_attention(packed([2, 1], HQ, D), k_cache, v_cache, cu_of([2, 1]), None,
+                                     block_table=table, seqused_k=used,
+                                     prefix_lens=torch.tensor([3, 2], dtype=torch.int32))
+    query, key = njt([2, 3], 2, 4), njt([4, 1], 2, 4)
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\] = 2 exceeds the key length 1"):
+        jagged_sdpa.sdpa(query, key, key, is_causal=True, prefix_lens=torch.tensor([4, 2], dtype=torch.int32))
+    with pytest.raises(TypeError, match="prefix_lens must be int32"):
+        jagged_sdpa.sdpa(query, key, key, prefix_lens=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+        jagged_sdpa.sdpa(njt([2, 3], 4, 4), njt([2, 3], 4, 4), njt([2, 3], 4, 4), sinks=torch.zeros(2))
+
+
+def test_prefix_lens_checked_on_the_device_without_a_host_read():
+    """The device-side form (a call that reads nothing on the host): bad values fail the assert."""
+    cu = cu_of([3, 2])
+    k = torch.zeros(5, 1, 4)
+    good = batches.build(cu, cu, 3, 3, read=False, prefix_lens=torch.tensor([3, 2], dtype=torch.int32))
+    good.bind(5, k)
+    bad = batches.build(cu, cu, 3, 3, read=False, prefix_lens=torch.tensor([3, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="prefix_lens"):
+        bad.bind(5, k)
+    used = torch.tensor([1, 2], dtype=torch.int32)
+    bad_used = batches.build(cu, cu, 3, 2, read=False, seqused_k=used,
+                             prefix_lens=torch.tensor([2, 0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="prefix_lens"):
+        bad_used.bind(5, k)

@@ -484,3 +484,72 @@ def test_prefix_lens_checked_on_the_device_without_a_host_read():
                              prefix_lens=torch.tensor([2, 0], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="prefix_lens"):
         bad_used.bind(5, k)
+
+
+# ----------------------------------------------------------------------------------------------
+# the position rules: MATH's key ranges are exact and monotone, its mask is the reference's
+
+
+def test_visible_key_ranges_are_exact_monotone_and_match_the_reference_mask():
+    """For every row, ``positions.visible_keys`` is exactly the range of keys the mask keeps (one
+    range per row, both ends non-decreasing in the row), and ``positions.keep_mask`` equals the
+    reference's mask, over causal x alignment x windows x chunk sizes x prefixes x lengths."""
+    from itertools import product
+
+    from jagged_sdpa.backends import positions
+    from jagged_sdpa.spec import AttnSpec
+    from reference import chunk_prefix_mask, keep_mask
+
+    base = AttnSpec(entry="varlen", device_type="cpu", capability=None, dtype=torch.float32, batch=1, heads_q=1,
+                    heads_kv=1, head_dim=4, head_dim_v=4, total_q=1, total_k=1, max_seqlen_q=1, max_seqlen_k=1,
+                    has_empty_q=False, has_empty_k=False, lengths_known=True)
+    checked = 0
+    for causal, alignment, window, chunk, (len_q, len_k) in product(
+            (False, True), ("top_left", "bottom_right"), ((-1, -1), (1, 0), (0, 2), (2, -1)), (None, 1, 2, 3),
+            ((4, 4), (6, 3), (2, 7), (5, 0))):
+        spec = base.replace(causal=causal, alignment=alignment, window=window, chunk_size=chunk)
+        shift = positions.shift_of(spec, len_q, len_k)
+        for prefix in sorted({0, min(1, len_k), len_k // 2, len_k}):
+            want = chunk_prefix_mask(keep_mask(len_q, len_k, causal=causal, alignment=alignment, window=window),
+                                     len_q, len_k, alignment=alignment, chunk_size=chunk, prefix=prefix)
+            pos, j = positions.aligned_positions(0, len_q, 0, len_k, shift, "cpu")
+            assert torch.equal(positions.keep_mask(spec, pos, j, prefix), want), (spec.describe(), prefix)
+            last = (0, 0)
+            for i in range(len_q):
+                lo, hi = positions.visible_keys(spec, i + shift, len_k, prefix)
+                keys = want[i].nonzero().flatten().tolist()
+                if keys:
+                    assert (lo, hi) == (keys[0], keys[-1] + 1) and len(keys) == hi - lo, (spec.describe(), prefix, i)
+                else:
+                    assert hi <= lo, (spec.describe(), prefix, i)
+                assert lo >= last[0] and hi >= last[1], (spec.describe(), prefix, i)
+                last = (lo, hi)
+                checked += 1
+    assert checked > 1000
+
+
+def test_only_the_sinks_need_a_gradient():
+    q, k, v, sinks, _ = _inputs()
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), causal=True, sinks=sinks)
+    (got,) = torch.autograd.grad(out.square().sum(), [sinks])
+    ref, _, leaves = _reference(q, k, v, cu_of(LQ), cu_of(LK), dict(causal=True, sinks=sinks))
+    (want,) = torch.autograd.grad(ref.square().sum(), [leaves[3]])
+    _check_grads([got], [want], None, None)
+
+
+def test_sdpa_with_holes_takes_prefix_lens():
+    """NJTs with holes (``lengths()``) are gathered; prefix_lens is validated and applied all the same."""
+    values = torch.randn(12, HQ, D)
+    offsets = torch.tensor([0, 5, 9], dtype=torch.int64)
+    lengths = torch.tensor([4, 3], dtype=torch.int64)
+    x = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=lengths).transpose(1, 2)
+    prefix = torch.tensor([2, 3], dtype=torch.int32)
+    out = jagged_sdpa.sdpa(x, x, x, is_causal=True, prefix_lens=prefix, chunk_size=2)
+    packed_x = torch.cat([values[0:4], values[5:8]])
+    ref, _, _ = _reference(packed_x, packed_x, packed_x, cu_of([4, 3]), cu_of([4, 3]),
+                           dict(causal=True, prefix_lens=prefix, chunk_size=2), alignment="top_left")
+    got = torch.cat([out[0].transpose(0, 1), out[1].transpose(0, 1)])
+    assert_close_packed(got, ref, cu_seqlens=cu_of([4, 3]))
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\] = 5 exceeds the key length 4"):
+        jagged_sdpa.sdpa(x, x, x, is_causal=True, prefix_lens=torch.tensor([5, 0], dtype=torch.int32))

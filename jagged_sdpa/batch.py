@@ -124,7 +124,7 @@ class Batch:
                 checks.add_lengths("seqused_k", self.seqused_k, self.cu_seqlens_k, self.max_seqlen_k)
         if self.prefix_lens is not None:  # 0 <= P_b <= the key length of b, as ``build`` checks on the host
             if self.seqused_k is not None:
-                used = self.seqused_k.to(torch.int64).cumsum(0).to(torch.int32)
+                used = self.seqused_k.to(torch.int64).cumsum(0)  # int64: no wrap; both check forms take it
                 capacity = torch.cat([used.new_zeros(1), used])
             else:
                 capacity = self.max_seqlen_k if self.kv_dense else self.cu_seqlens_k

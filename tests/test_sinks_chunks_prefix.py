@@ -323,6 +323,23 @@ def test_compile_fullgraph_equals_eager_without_graph_breaks(fresh_dynamo):
         assert torch.equal(a, b)
 
 
+def test_compile_sdpa_on_njts_fullgraph_equals_eager(fresh_dynamo):
+    query = njt([4, 6, 3], HQ, D, requires_grad=True)
+    sinks = torch.randn(HQ, requires_grad=True)
+    prefix = torch.tensor([2, 6, 1], dtype=torch.int32)
+
+    def f(x, s, p):
+        return jagged_sdpa.sdpa(x, x, x, is_causal=True, sinks=s, chunk_size=2, prefix_lens=p)
+
+    explained = torch._dynamo.explain(lambda *a: f(*a).values().sum())(query, sinks, prefix)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(query, sinks, prefix).values()
+    want = f(query, sinks, prefix).values()
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got.sum(), [sinks])[0], torch.autograd.grad(want.sum(), [sinks])[0])
+
+
 def test_compiled_call_checks_prefix_lens_when_the_operator_runs(fresh_dynamo):
     q, k, v, sinks, _ = _inputs()
     bad = torch.tensor([3, 10, 1, 0, 2, 0], dtype=torch.int32)   # 10 > 9 keys of sequence 1

@@ -570,3 +570,15 @@ def test_sdpa_with_holes_takes_prefix_lens():
     assert_close_packed(got, ref, cu_seqlens=cu_of([4, 3]))
     with pytest.raises(ValueError, match=r"prefix_lens\[0\] = 5 exceeds the key length 4"):
         jagged_sdpa.sdpa(x, x, x, is_causal=True, prefix_lens=torch.tensor([5, 0], dtype=torch.int32))
+
+
+def test_a_sink_of_minus_infinity_is_no_sink():
+    q, k, v, _, _ = _inputs()
+    q, k, v = q.detach(), k.detach(), v.detach()
+    sinks = torch.full((HQ,), float("-inf"), requires_grad=True)
+    kw = dict(causal=True, chunk_size=2, return_lse=True)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), sinks=sinks, **kw)
+    want, want_lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    (grad,) = torch.autograd.grad(out.sum(), [sinks])
+    assert torch.equal(grad, torch.zeros(HQ))

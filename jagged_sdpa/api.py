@@ -31,8 +31,7 @@ def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     kv_dense = not key.is_nested
     given_q = layout.njt_cached_max_seqlen(query)
     given_k = size_k[2] if kv_dense else layout.njt_cached_max_seqlen(key)
-    if query.lengths() is not None or not kv_dense and (
-            key.lengths() is not None or value.lengths() is not None or value.offsets() is not key.offsets()):
+    if query.lengths() is not None or not kv_dense and (key.lengths() is not None or value.lengths() is not None):
         return _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, prefix_lens)
     q_packed, _ = layout.njt_packed(query)
     notes = ()
@@ -43,6 +42,8 @@ def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     else:
         (k_packed, _), (v_packed, _) = layout.njt_packed(key), layout.njt_packed(value)
     offsets_q, offsets_k = query.offsets(), None if kv_dense else key.offsets()
+    if not kv_dense and value.offsets() is not offsets_k:
+        _check_same_structure(offsets_k, value.offsets(), k_packed.shape[0], v_packed.shape[0])
     refusal = plans.missing_max("query's cached max seqlen", given_q, "key's cached max seqlen", given_k)
     if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
         b = batches.build(offsets_q, offsets_k, q_packed.shape[0] if given_q is None else given_q,
@@ -54,12 +55,26 @@ def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     return plans.for_call(b, options, refusal, notes), q_packed, k_packed, v_packed
 
 
+_STRUCTURE = "key and value must have the same ragged structure (sequence lengths)"
+
+
+def _check_same_structure(offsets_k: Tensor, offsets_v: Tensor, total_k: int, total_v: int) -> None:
+    """Key and value built separately (each its own offsets tensor) must hold the same sequences:
+    compared in place on the CPU (a ValueError), else as a device-side assert (no sync; and
+    torch.compile cannot trace a data-dependent branch)."""
+    if total_k != total_v:
+        raise ValueError(f"{_STRUCTURE}: key has {total_k} tokens, value {total_v}")
+    if offsets_k.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not torch.equal(offsets_k, offsets_v):
+            raise ValueError(_STRUCTURE)
+    else:
+        torch._assert_async((offsets_k == offsets_v).all(), f"jagged_sdpa: {_STRUCTURE}")
+
+
 def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, prefix_lens=None):
-    """An sdpa call whose structure needs a host read: NJTs with holes (``lengths()``, gathered
-    into packed copies) or a value with offsets of its own (compared to key's)."""
-    has_holes = query.lengths() is not None or key.lengths() is not None or value.lengths() is not None
-    plans.host_read(query.device, given_q, given_k, "NJTs with holes (lengths())" if has_holes else
-                    "value with offsets other than key's")
+    """An sdpa call whose structure needs a host read: NJTs with holes (``lengths()``), gathered
+    into packed copies."""
+    plans.host_read(query.device, given_q, given_k, "NJTs with holes (lengths())")
     njts = {"query": query} if kv_dense else {"query": query, "key": key, "value": value}
     tensors, slots = [], {}
     for name, njt in njts.items():
@@ -77,7 +92,7 @@ def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, pref
         cu_k = None
     else:
         if layout.host_lengths(cu["value"][1]) != layout.host_lengths(cu["key"][1]):
-            raise ValueError("key and value must have the same ragged structure (sequence lengths)")
+            raise ValueError(_STRUCTURE)
         k_packed, v_packed, cu_k = packed["key"], packed["value"], cu["key"][0]
     host_cu = [cu["query"][1]] + ([] if kv_dense else [cu["key"][1]])
     b = batches.build(cu["query"][0], cu_k, given_q, given_k, read=True, names=batches.SDPA_NAMES, kv_dense=kv_dense,

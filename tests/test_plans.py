@@ -419,3 +419,38 @@ def test_an_observed_call_keeps_no_reference_to_its_tensors():
     del q, k, v, out
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 21 item 2: key and value built separately (their own offsets) compile without a break
+
+
+def _nj(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nested.nested_tensor([torch.randn(n, 2, 16, generator=g) for n in lengths],
+                                      layout=torch.jagged).transpose(1, 2)
+
+
+def test_key_and_value_with_their_own_offsets_compile_without_a_break():
+    torch._dynamo.reset()
+    q, k, v = _nj([5, 3], 0), _nj([7, 4], 1), _nj([7, 4], 2)
+    assert v.offsets() is not k.offsets()
+    f = lambda q, k, v: jagged_sdpa.sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+    got = torch.compile(f, fullgraph=True)(q, k, v)
+    packed = lambda x: x.transpose(1, 2).values()
+    ref, _ = attention_reference(packed(q).double(), packed(k).double(), packed(v).double(), q.offsets(),
+                                 k.offsets(), causal=True, alignment="bottom_right")
+    assert_close_packed(packed(got), ref, cu_seqlens=q.offsets().tolist())
+
+
+def test_key_and_value_of_another_structure_are_refused_on_every_path():
+    q, k, v = _nj([5, 3], 0), _nj([7, 4], 1), _nj([6, 5], 2)
+    f = lambda q, k, v: jagged_sdpa.sdpa(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="same ragged structure"):
+        f(q, k, v)                                  # eager: compared on the host
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="same ragged structure"):
+        torch.compile(f, fullgraph=True)(q, k, v)   # compiled: a device-side assert (synchronous on the CPU)
+    with pytest.raises(ValueError, match="key has 11 tokens, value 12"):
+        f(q, k, _nj([6, 6], 3))

@@ -328,6 +328,11 @@ struct JsParams {
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
     uint32_t dropout_seed, dropout_offset;
     float dropout_p;
+    // The low part of the lse (lse_lo[i] = (m + log l) - lse[i], computed in double; same strides
+    // as lse), or null. The forward writes it where given; the backward reads it where given, and
+    // takes P = exp((S - lse) - lse_lo): a float32 lse alone is off by up to half an ulp of |lse|
+    // (2^-11 relative to P at |lse| ~ 1e4), where the probabilities themselves are exact.
+    float* lse_lo;
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
@@ -641,12 +646,18 @@ inline bool adds_nothing(float bm, const float* s, int n) {
 // Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
 // when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
 // rows of its tile see), lse -inf. A NaN l or o (a NaN score or value it saw) stays NaN.
+// The lse is m + log(l) in double, rounded once to float32 (lse_lo, when given, keeps what the
+// rounding left out: the backward's exponent then loses nothing to the size of |lse|).
 template <class IO>
-inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse) {
+inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse, float* lse_lo) {
     const bool empty = l == 0.f;
     const float inv = 1.f / l;
     for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(empty ? 0.f : o[e] * inv);
-    if (lse) *lse = empty ? -INFINITY : m + std::log(l);
+    if (!lse) return;
+    const double full = static_cast<double>(m) + std::log(static_cast<double>(l));
+    const float hi = empty ? -INFINITY : static_cast<float>(full);
+    *lse = hi;
+    if (lse_lo) *lse_lo = std::isfinite(hi) ? static_cast<float>(full - static_cast<double>(hi)) : 0.f;
 }
 
 // The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
@@ -988,7 +999,8 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     T* out = static_cast<T*>(p.out) + row * p.o_tok;
     for (int64_t h = 0; h < heads; ++h)
         finish_row<IO>(o + h * dv, m[h], l[h], dv, out + h * p.o_head,
-                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
+                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr,
+                       p.lse && p.lse_lo ? p.lse_lo + h * p.lse_head + row * p.lse_tok : nullptr);
 }
 
 // Per thread, sized for what its items need: a call of direct rows only (decoding) never
@@ -1131,7 +1143,8 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
 #endif
     for (int r = 0; r < rows; ++r)
         finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
-                       p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
+                       p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr,
+                       p.lse && p.lse_lo ? p.lse_lo + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
 }
 
 // Orders work items longest first (dynamic scheduling then balances the threads: LPT) and
@@ -1255,7 +1268,7 @@ void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
 }
 
 struct GradScratch {
-    std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
+    std::vector<float> q, dout, dq, lse, lse_lo, delta, kt, kr, vt, dk, dv, p, ds, raw;
     // AMX (bf16): q and dO rows and transposed (rows padded), K^T and V^T pairs, K pairs of rows,
     // P and dS as pairs of rows and dS as rows in bf16, dK^T and dV^T accumulators.
     std::vector<uint16_t> qb, dob, qT, doT, kp2, pvn, dsvn, ds16;
@@ -1271,6 +1284,7 @@ struct GradScratch {
         }
         dq.assign(rows * dp, 0.f);
         lse.resize(rows);
+        lse_lo.resize(rows);
         delta.resize(rows);
         dk.resize(BK * dp);
         dv.resize(BK * dvp);
@@ -1419,6 +1433,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t len_k = key_count(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
+    // The forward ran this sequence as direct rows (run_all): recompute its scores the same way.
+    const bool direct = len_q <= p.direct_rows;
 #if JS_AMX
     const bool amx = std::is_same<IO, BF16>::value && amx_ready();
 #else
@@ -1438,13 +1454,20 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             if (i >= len_q) {  // AMX padding
                 w.delta[row] = 0.f;
                 w.lse[row] = INFINITY;
+                w.lse_lo[row] = 0.f;
                 continue;
             }
             const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
             const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
             const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
+            // delta = dO.O rounded exactly as dP = dO.V^T is (qk_tile: one FMA chain from 0, in e
+            // order): in a row whose P is one-hot, O is its value row and dP - delta is exactly 0.
             float delta = 0.f;
+#if defined(__FMA__)
+            for (int64_t e = 0; e < dv; ++e) delta = std::fma(IO::ld(dos + e), IO::ld(os + e), delta);
+#else
             for (int64_t e = 0; e < dv; ++e) delta += IO::ld(dos + e) * IO::ld(os + e);
+#endif
             if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
                 std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
                 std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
@@ -1457,6 +1480,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             w.delta[row] = delta;
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
+            const float lo = p.lse_lo ? p.lse_lo[h * p.lse_head + (q0 + i) * p.lse_tok] : 0.f;
+            w.lse_lo[row] = std::isfinite(l) && std::isfinite(lo) ? lo : 0.f;
         }
     }
 #if JS_AMX
@@ -1514,10 +1539,18 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
                 }
 #endif
-                if (!amx) {
+                if (!amx && direct) {  // S as direct_row computed it (the forward's rounding, bit for bit)
+                    for (int r = 0; r < n; ++r) {
+                        const float* qr = w.q.data() + (base + r) * dp;
+                        for (int j = 0; j < nk; ++j) pb[r * BK + j] = dot<IO>(qr, krows(j), d);
+                        std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
+                    }
+                } else if (!amx) {
 #define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
                     JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
+                }
+                if (!amx) {
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
                     JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
@@ -1529,19 +1562,19 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                     float* rawrow = w.raw.data() + r * BK;
                     if (p.softcap > 0.f) std::copy(srow, srow + BK, rawrow);
                     rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
-                    const vf lse = splat(w.lse[base + r]);
+                    const vf lse = splat(w.lse[base + r]), lse_lo = splat(w.lse_lo[base + r]);
                     const vf delta = splat(w.delta[base + r]);
                     if (p.dropout_p > 0.f) {
                         alignas(64) float z[BK] = {};
                         dropout_scale(p, b, h, c0 + r, kb, nk, z);
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp(loadu(srow + c * W) - lse), zc = loadu(z + c * W);
+                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
                             storeu(srow + c * W, pr * zc);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
                         }
                     } else {
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp(loadu(srow + c * W) - lse);
+                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo);
                             storeu(srow + c * W, pr);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
                         }
@@ -1668,7 +1701,7 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 7; }
+extern "C" int js_abi_version() { return 8; }
 
 // What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
 // (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.

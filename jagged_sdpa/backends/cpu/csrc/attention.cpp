@@ -328,8 +328,8 @@ struct JsParams {
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
     uint32_t dropout_seed, dropout_offset;
     float dropout_p;
-    // The low part of the lse (lse_lo[i] = (m + log l) - lse[i], computed in double; same strides
-    // as lse), or null. The forward writes it where given; the backward reads it where given, and
+    // The low part of the lse (lse_lo[i] = (m + log l) - lse[i], exactly; same strides as lse),
+    // or null. The forward writes it where given; the backward reads it where given, and
     // takes P = exp((S - lse) - lse_lo): a float32 lse alone is off by up to half an ulp of |lse|
     // (2^-11 relative to P at |lse| ~ 1e4), where the probabilities themselves are exact.
     float* lse_lo;
@@ -646,18 +646,22 @@ inline bool adds_nothing(float bm, const float* s, int n) {
 // Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
 // when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
 // rows of its tile see), lse -inf. A NaN l or o (a NaN score or value it saw) stays NaN.
-// The lse is m + log(l) in double, rounded once to float32 (lse_lo, when given, keeps what the
-// rounding left out: the backward's exponent then loses nothing to the size of |lse|).
+// lse = m + log(l) in float32; lse_lo, when given, is what that addition's rounding left out
+// (TwoSum: lse + lse_lo is m + log(l) exactly), so the backward's exponent loses nothing to the
+// size of |lse| (half an ulp of it: 2^-11 of P at |lse| ~ 1e4).
 template <class IO>
 inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse, float* lse_lo) {
     const bool empty = l == 0.f;
     const float inv = 1.f / l;
     for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(empty ? 0.f : o[e] * inv);
     if (!lse) return;
-    const double full = static_cast<double>(m) + std::log(static_cast<double>(l));
-    const float hi = empty ? -INFINITY : static_cast<float>(full);
+    const float lg = std::log(l);
+    const float hi = empty ? -INFINITY : m + lg;
     *lse = hi;
-    if (lse_lo) *lse_lo = std::isfinite(hi) ? static_cast<float>(full - static_cast<double>(hi)) : 0.f;
+    if (lse_lo) {
+        const float b = hi - m;
+        *lse_lo = std::isfinite(hi) ? (m - (hi - b)) + (lg - b) : 0.f;
+    }
 }
 
 // The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
@@ -1423,6 +1427,37 @@ struct SharedBlocks {
     }
 };
 
+// delta[i] = dO_i . O_i of query head h's rows q0 .. q0 + n, rounded exactly as dP = dO.V^T is
+// (qk_tile: one FMA chain from 0 in e order; plain multiply-adds where the target has no FMA):
+// in a row whose P is one-hot, O is that key's value row and dP - delta is exactly 0 (MATH's dS
+// is exactly 0 there too). Eight rows' chains at a time: one chain alone waits on each FMA.
+template <class IO>
+void row_deltas(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* delta) {
+    typedef typename IO::T T;
+    const JsParams& p = g.f;
+    constexpr int G = 8;
+    for (int64_t i0 = 0; i0 < n; i0 += G) {
+        const int m = static_cast<int>(std::min<int64_t>(G, n - i0));
+        const T* os[G];
+        const T* dos[G];
+        float acc[G];
+        for (int r = 0; r < G; ++r) {  // rows past n repeat the last one (computed, not stored)
+            const int64_t row = q0 + i0 + std::min(r, m - 1);
+            os[r] = static_cast<const T*>(p.out) + row * p.o_tok + h * p.o_head;
+            dos[r] = static_cast<const T*>(g.dout) + row * g.do_tok + h * g.do_head;
+            acc[r] = 0.f;
+        }
+        for (int64_t e = 0; e < p.head_dim_v; ++e)
+            for (int r = 0; r < G; ++r)
+#if defined(__FMA__)
+                acc[r] = std::fma(IO::ld(dos[r] + e), IO::ld(os[r] + e), acc[r]);
+#else
+                acc[r] += IO::ld(dos[r] + e) * IO::ld(os[r] + e);
+#endif
+        for (int r = 0; r < m; ++r) delta[i0 + r] = acc[r];
+    }
+}
+
 template <class IO>
 void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared) {
     typedef typename IO::T T;
@@ -1458,16 +1493,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 continue;
             }
             const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
-            const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
             const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
-            // delta = dO.O rounded exactly as dP = dO.V^T is (qk_tile: one FMA chain from 0, in e
-            // order): in a row whose P is one-hot, O is its value row and dP - delta is exactly 0.
-            float delta = 0.f;
-#if defined(__FMA__)
-            for (int64_t e = 0; e < dv; ++e) delta = std::fma(IO::ld(dos + e), IO::ld(os + e), delta);
-#else
-            for (int64_t e = 0; e < dv; ++e) delta += IO::ld(dos + e) * IO::ld(os + e);
-#endif
             if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
                 std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
                 std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
@@ -1477,12 +1503,12 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
                 for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
             }
-            w.delta[row] = delta;
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
             const float lo = p.lse_lo ? p.lse_lo[h * p.lse_head + (q0 + i) * p.lse_tok] : 0.f;
             w.lse_lo[row] = std::isfinite(l) && std::isfinite(lo) ? lo : 0.f;
         }
+        row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
 #if JS_AMX
     if (amx) amx_configure();

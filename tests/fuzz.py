@@ -963,8 +963,10 @@ def grad_logit_bounds(case, b, ref, c=2.0):
     p-weighted mean of those errors, so p_ij is off by a factor (1 + e_ij) with
     |e_ij| <= sum_{k != j} p_ik (E_ij + E_ik) = (1 - p_ij) E_ij + sum_k p_ik E_ik - p_ij E_ij: zero
     in a row that sees one key, tiny at the top key of a one-hot row (where MATH is exact too). That
-    needs the backward's scores bit for bit the forward's and an lse exact to its own scores; TRITON
-    keeps a float32 lse only, so its e_ij also takes lse's rounding, |lse_i| 2^-24. Then
+    needs the backward's scores bit for bit the forward's and an lse exact to its own scores
+    (cpu_fused). TRITON has neither: its backward's tl.dot runs other tile shapes (under the
+    interpreter, S came out 10 ulps of |S| apart at D = 8, |S| ~ 5e3), and it keeps a float32 lse
+    only, so its e_ij also takes E_ij (a second rounding of S) and |lse_i| 2^-24. Then
     |d dv_j| <= sum_i p_ij e_ij |dO_i|, and with dS = P (dP - delta),
     |d dq_i| <= scale sum_j p_ij e_ij |dP_ij - delta_i| |k_j| (dk alike)."""
     if b["dtype"] == torch.float64 or ref.numel() == 0:
@@ -992,7 +994,7 @@ def grad_logit_bounds(case, b, ref, c=2.0):
         big = factor * qb.norm(dim=-1).T.unsqueeze(-1) * kb.norm(dim=-1).T.unsqueeze(1)   # E (H, lq, lk)
         e = (1 - p) * big + (p * big).sum(-1, keepdim=True) - p * big
         if case["backend"] == "triton":
-            e = e + _row_lse(case, qb, kb, s, b).abs().nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1) * u
+            e = e + big + _row_lse(case, qb, kb, s, b).abs().nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1) * u
         pe = p * e
         dp = torch.einsum("qhd,khd->hqk", gob, vb)
         delta = (gob * ob).sum(-1).T.unsqueeze(-1)                                        # (H, lq, 1)

@@ -1538,7 +1538,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
         } else {  // K^T, V^T and K rows (zero past nk)
             std::fill(w.kr.begin(), w.kr.end(), 0.f);
-            pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+            if (!direct)  // direct sequences' scores read the key rows in place (dot<IO>)
+                pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
             pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
             pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
             std::fill(w.dk.begin(), w.dk.end(), 0.f);

@@ -42,7 +42,7 @@ ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 8
+ABI_VERSION = 7
 # The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -79,7 +79,6 @@ class _Params(ctypes.Structure):
         ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
         ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
         ("dropout_seed", ctypes.c_uint32), ("dropout_offset", ctypes.c_uint32), ("dropout_p", ctypes.c_float),
-        ("lse_lo", ctypes.c_void_p),
     ]
 
 
@@ -290,9 +289,8 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list, lse_lo: Optional[Tensor] = None) -> _Params:
-    """The kernel's parameters; the checks already validated every length it reads. ``lse_lo``
-    (float32, lse's shape and strides, or None): the part of the lse its float32 rounding drops."""
+def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
+    """The kernel's parameters; the checks already validated every length it reads."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     cu_q = _int32(call.cu_seqlens_q)
@@ -324,38 +322,30 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list, lse_lo: Opti
         lse.stride(0), lse.stride(1),
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
-        seed, offset, spec.dropout_p, ptr(lse_lo),
+        seed, offset, spec.dropout_p,
     )
 
 
-def forward(call: PackedCall, out: Tensor, lse: Tensor, lse_lo: Optional[Tensor] = None) -> None:
-    """Every sequence of ``call`` in one kernel call: out (total_q, Hq, Dv) and lse (Hq, total_q);
-    with ``lse_lo`` (like lse) also what lse's float32 rounding drops, for the backward."""
-    assert lse_lo is None or (lse_lo.dtype == torch.float32 and lse_lo.shape == lse.shape
-                              and lse_lo.stride() == lse.stride())
+def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
+    """Every sequence of ``call`` in one kernel call: out (total_q, Hq, Dv) and lse (Hq, total_q)."""
     keep: list = []
-    code = library().js_attention_forward(ctypes.byref(_params(call, out, lse, keep, lse_lo)))
+    code = library().js_attention_forward(ctypes.byref(_params(call, out, lse, keep)))
     if code:
         raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
 
 
-def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor,
-             lse_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward,
-    and lse_lo when the forward wrote it: without it, P = exp(S - lse) is off by lse's rounding).
+def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward).
     With a paged cache dk/dv are cache-shaped: blocks no sequence reads get 0, shared blocks the
     sum over the sequences that read them (summed in order: deterministic)."""
     lse = lse if lse.dtype == torch.float32 else lse.float()
-    if lse_lo is not None and (lse_lo.dtype != torch.float32 or lse_lo.shape != lse.shape
-                               or lse_lo.stride() != lse.stride()):
-        lse, lse_lo = lse.contiguous(), lse_lo.float().contiguous()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (call.q, call.k, call.v))
     keep: list = []
     # (tokens, heads, blocks) strides of dk/dv: (num_blocks, block_size, Hkv, D) when paged.
     dk_strides, dv_strides = ((t.stride(1), t.stride(2), t.stride(0)) if call.spec.paged else
                               (t.stride(0), t.stride(1), 0) for t in (dk, dv))
-    g = _GradParams(_params(call, out, lse, keep, lse_lo), grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+    g = _GradParams(_params(call, out, lse, keep), grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                     grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), *dk_strides[:2],
                     *dv_strides[:2], dk_strides[2], dv_strides[2])
     code = library().js_attention_backward(ctypes.byref(g))

@@ -328,11 +328,6 @@ struct JsParams {
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
     uint32_t dropout_seed, dropout_offset;
     float dropout_p;
-    // The low part of the lse (lse_lo[i] = (m + log l) - lse[i], exactly; same strides as lse),
-    // or null. The forward writes it where given; the backward reads it where given, and
-    // takes P = exp((S - lse) - lse_lo): a float32 lse alone is off by up to half an ulp of |lse|
-    // (2^-11 relative to P at |lse| ~ 1e4), where the probabilities themselves are exact.
-    float* lse_lo;
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
@@ -646,22 +641,12 @@ inline bool adds_nothing(float bm, const float* s, int n) {
 // Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
 // when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
 // rows of its tile see), lse -inf. A NaN l or o (a NaN score or value it saw) stays NaN.
-// lse = m + log(l) in float32; lse_lo, when given, is what that addition's rounding left out
-// (TwoSum: lse + lse_lo is m + log(l) exactly), so the backward's exponent loses nothing to the
-// size of |lse| (half an ulp of it: 2^-11 of P at |lse| ~ 1e4).
 template <class IO>
-inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse, float* lse_lo) {
+inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse) {
     const bool empty = l == 0.f;
     const float inv = 1.f / l;
     for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(empty ? 0.f : o[e] * inv);
-    if (!lse) return;
-    const float lg = std::log(l);
-    const float hi = empty ? -INFINITY : m + lg;
-    *lse = hi;
-    if (lse_lo) {
-        const float b = hi - m;
-        *lse_lo = std::isfinite(hi) ? (m - (hi - b)) + (lg - b) : 0.f;
-    }
+    if (lse) *lse = empty ? -INFINITY : m + std::log(l);
 }
 
 // The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
@@ -1003,8 +988,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     T* out = static_cast<T*>(p.out) + row * p.o_tok;
     for (int64_t h = 0; h < heads; ++h)
         finish_row<IO>(o + h * dv, m[h], l[h], dv, out + h * p.o_head,
-                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr,
-                       p.lse && p.lse_lo ? p.lse_lo + h * p.lse_head + row * p.lse_tok : nullptr);
+                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
 }
 
 // Per thread, sized for what its items need: a call of direct rows only (decoding) never
@@ -1147,8 +1131,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
 #endif
     for (int r = 0; r < rows; ++r)
         finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
-                       p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr,
-                       p.lse && p.lse_lo ? p.lse_lo + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
+                       p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
 }
 
 // Orders work items longest first (dynamic scheduling then balances the threads: LPT) and
@@ -1458,6 +1441,58 @@ void row_deltas(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* 
     }
 }
 
+// The float32 lse is off by up to half an ulp of |lse|, so P = exp(S - lse) is too, relatively:
+// 2^-11 at |lse| ~ 1e4, where MATH's P is exact (a one-hot row's top key; dv 2e-3 off). For rows
+// whose |lse| is at least LSE_EXACT this sums P over the row's keys once more, with the forward's
+// scores (``scores``): the sum is exp(L - lse) for the L = m + log(l) the forward rounded, and its
+// log goes to w.lse_lo, which the backward subtracts from S - lse. Below LSE_EXACT the rounding
+// moves P by < 4e-6 (relative): rows of ordinary logits never pay for this pass.
+constexpr float LSE_EXACT = 64.f;
+
+inline bool lse_inexact(float lse) { return std::fabs(lse) >= LSE_EXACT && !std::isinf(lse); }
+
+template <class IO, class Scores>
+void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, bool direct, GradScratch& w,
+                     Scores&& scores) {
+    typedef typename IO::T T;
+    const JsParams& p = g.f;
+    const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = key_count(p, b), shift = p.bottom_right ? len_k - len_q : 0;
+    bool any = false;
+    for (int64_t row = 0; row < group * lq; ++row) any |= lse_inexact(w.lse[row]);
+    if (!any) return;
+    float* pb = w.p.data();
+    for (int64_t kb = 0; kb < len_k; kb += BK) {
+        const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
+        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk);
+        if (!direct) pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
+            const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
+            for (int64_t c0 = 0; c0 < len_q; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, len_q - c0));
+                const int64_t base = gi * lq + c0;
+                bool need = false;
+                for (int r = 0; r < n; ++r) need |= lse_inexact(w.lse[base + r]);
+                if (!need) continue;
+                scores(base, n, krows, nk, pb);
+                for (int r = 0; r < n; ++r) {
+                    const float lse = w.lse[base + r];
+                    if (!lse_inexact(lse)) continue;
+                    float* srow = pb + r * BK;
+                    rule.apply(srow, c0 + r + shift);
+                    vf sum = splat(0.f);
+                    for (int c = 0; c < BK / W; ++c) sum += vexp(loadu(srow + c * W) - splat(lse));
+                    w.lse_lo[base + r] += hsum(sum);
+                }
+            }
+        }
+    }
+    for (int64_t row = 0; row < group * lq; ++row)
+        if (lse_inexact(w.lse[row])) w.lse_lo[row] = std::log(w.lse_lo[row]);
+}
+
 template <class IO>
 void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared) {
     typedef typename IO::T T;
@@ -1505,11 +1540,26 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             }
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
-            const float lo = p.lse_lo ? p.lse_lo[h * p.lse_head + (q0 + i) * p.lse_tok] : 0.f;
-            w.lse_lo[row] = std::isfinite(l) && std::isfinite(lo) ? lo : 0.f;
+            w.lse_lo[row] = 0.f;
         }
         row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
+    // S (unmasked) of scratch rows base .. base + n against key block kb, rounded as the forward
+    // rounded it: dot<IO> on the key rows for a direct sequence, else qk_tile on K^T packed in w.kt.
+    auto scores = [&](int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
+        if (direct) {
+            for (int r = 0; r < n; ++r) {
+                const float* qr = w.q.data() + (base + r) * dp;
+                for (int j = 0; j < nk; ++j) pb[r * BK + j] = dot<IO>(qr, krows(j), d);
+                std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
+            }
+            return;
+        }
+#define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
+        JS_FOR_TILES(n, JS_QK)
+#undef JS_QK
+    };
+    if (!amx) lse_corrections<IO>(g, b, hk, lq, direct, w, scores);
 #if JS_AMX
     if (amx) amx_configure();
 #endif
@@ -1566,18 +1616,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
                 }
 #endif
-                if (!amx && direct) {  // S as direct_row computed it (the forward's rounding, bit for bit)
-                    for (int r = 0; r < n; ++r) {
-                        const float* qr = w.q.data() + (base + r) * dp;
-                        for (int j = 0; j < nk; ++j) pb[r * BK + j] = dot<IO>(qr, krows(j), d);
-                        std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
-                    }
-                } else if (!amx) {
-#define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
-                    JS_FOR_TILES(n, JS_QK)
-#undef JS_QK
-                }
                 if (!amx) {
+                    scores(base, n, krows, nk, pb);
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
                     JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
@@ -1728,7 +1768,7 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 8; }
+extern "C" int js_abi_version() { return 7; }
 
 // What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
 // (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.

@@ -119,6 +119,9 @@ def _pick(rng, weighted):
     return rng.choices(items, weights=weights)[0]
 
 
+# cpu_fused's backward corrects the float32 lse's rounding in rows with |lse| >= this (attention.cpp
+# LSE_EXACT); below it P may be off by |lse| 2^-24 (relative).
+CPU_LSE_EXACT = 256.0
 # Share of the cases with ordinary scores that the default mode turns into large-logit cases.
 LARGE_SHARE = 0.2
 MODES = ("default", "large")
@@ -964,9 +967,11 @@ def grad_logit_bounds(case, b, ref, c=2.0):
     |e_ij| <= sum_{k != j} p_ik (E_ij + E_ik) = (1 - p_ij) E_ij + sum_k p_ik E_ik - p_ij E_ij: zero
     in a row that sees one key, tiny at the top key of a one-hot row (where MATH is exact too). That
     needs the backward's scores bit for bit the forward's and an lse exact to its own scores
-    (cpu_fused). TRITON has neither: its backward's tl.dot runs other tile shapes (under the
-    interpreter, S came out 10 ulps of |S| apart at D = 8, |S| ~ 5e3), and it keeps a float32 lse
-    only, so its e_ij also takes E_ij (a second rounding of S) and |lse_i| 2^-24. Then
+    (cpu_fused; it corrects the float32 lse's rounding where |lse| >= 256, so below that its
+    e_ij also takes min(|lse_i|, 256) 2^-24). TRITON has neither: its backward's tl.dot runs other
+    tile shapes (under the interpreter, S came out 10 ulps of |S| apart at D = 8, |S| ~ 5e3), and it
+    keeps a float32 lse only, so its e_ij also takes E_ij (a second rounding of S) and |lse_i| 2^-24.
+    Then
     |d dv_j| <= sum_i p_ij e_ij |dO_i|, and with dS = P (dP - delta),
     |d dq_i| <= scale sum_j p_ij e_ij |dP_ij - delta_i| |k_j| (dk alike)."""
     if b["dtype"] == torch.float64 or ref.numel() == 0:
@@ -993,8 +998,11 @@ def grad_logit_bounds(case, b, ref, c=2.0):
         p = _probabilities(case, qb, kb, s, b, lq, lk)                                   # (H, lq, lk)
         big = factor * qb.norm(dim=-1).T.unsqueeze(-1) * kb.norm(dim=-1).T.unsqueeze(1)   # E (H, lq, lk)
         e = (1 - p) * big + (p * big).sum(-1, keepdim=True) - p * big
+        lse_size = _row_lse(case, qb, kb, s, b).abs().nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1)
         if case["backend"] == "triton":
-            e = e + big + _row_lse(case, qb, kb, s, b).abs().nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1) * u
+            e = e + big + lse_size * u
+        else:
+            e = e + lse_size.clamp(max=CPU_LSE_EXACT) * u
         pe = p * e
         dp = torch.einsum("qhd,khd->hqk", gob, vb)
         delta = (gob * ob).sum(-1).T.unsqueeze(-1)                                        # (H, lq, 1)

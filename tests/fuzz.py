@@ -3,7 +3,7 @@ float64 reference (``reference.py``), with dtype-aware tolerances (``tolerances.
 
 Design
 ------
-* ``make_case(seed, index, backend=None, entry=None)`` draws one call from
+* ``make_case(seed, index, backend=None, entry=None, mode=None)`` draws one call from
   ``random.Random(f"{seed}-{index}")``: a plain dict (printable, pasteable). Tensor data comes from
   a ``torch.Generator`` seeded by the case's ``data_seed``, so ``--seed S --case I`` rebuilds the
   exact call. Entry points: ``varlen`` (packed, optional ``seqused_k``), ``paged`` (block table over
@@ -34,6 +34,12 @@ Design
 * Failures are collected, never raised: each prints one line with its repro command and the run
   goes on. ``classify`` matches a failure against ``KNOWN`` (open bugs, one entry
   per class; delete an entry once its fix lands).
+
+* Large logits (issue 21): ``mode="large"`` (``--mode large``) makes every case one with scores of
+  magnitude 1e2-1e4, rows that see exactly one key, and a softcap as large as the logits; by
+  default a share ``LARGE_SHARE`` of the ordinary cases is made so. Their gradients are held to
+  ``grad_logit_bounds``, which vanishes where a row's softmax is one-hot (MATH is exact there, and
+  a kernel whose backward recomputes the forward's scores and lse exactly is too).
 
 Command line (from the repository root)::
 
@@ -113,8 +119,19 @@ def _pick(rng, weighted):
     return rng.choices(items, weights=weights)[0]
 
 
-def make_case(seed: int, index: int, backend=None, entry=None) -> dict:
-    """One call, drawn from (seed, index) only; ``backend``/``entry`` restrict the draw."""
+# cpu_fused's backward corrects the float32 lse's rounding in rows with |lse| >= this (attention.cpp
+# LSE_EXACT); below it P may be off by |lse| 2^-24 (relative).
+CPU_LSE_EXACT = 256.0
+# Share of the cases with ordinary scores that the default mode turns into large-logit cases.
+LARGE_SHARE = 0.2
+MODES = ("default", "large")
+
+
+def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dict:
+    """One call, drawn from (seed, index) only; ``backend``/``entry`` restrict the draw. ``mode``
+    "large": every case is a large-logit case (``_large_logits``); default: a share ``LARGE_SHARE``
+    of the cases with ordinary scores is (drawn from a stream of its own, so the rest of every case
+    is what it was before the mode existed)."""
     rng = random.Random(f"{seed}-{index}")
     be = backend or _pick(rng, [("auto", 40), ("math", 15), ("cpu_fused", 25), ("no_kernel", 10),
                                 ("triton", 10 if TRITON_OK else 0)])
@@ -215,7 +232,43 @@ def make_case(seed: int, index: int, backend=None, entry=None) -> dict:
     if case["meta"]:
         case["max_given"] = True
     case["threads"] = rng.choice([1, 2])   # intra-op threads of the library call (the checks use 1)
+    lrng = random.Random(f"{seed}-{index}-large")
+    if mode == "large" or (mode in (None, "default") and scores == "normal" and lrng.random() < LARGE_SHARE):
+        _large_logits(case, lrng)
     return case
+
+
+def _large_logits(case, rng):
+    """Issue 21's large-logit mode: scores of magnitude up to 1e4 (3e3 in float16, whose gradients
+    would overflow), put either in softmax_scale or in q (``q_gain``, with scale 1 or the default);
+    rows with exactly one visible key (one key per sequence, or a (0, 0) window); softcap with a
+    large cap (~ the logits' size, so tanh neither saturates nor stays linear); float32, float16,
+    bfloat16; a backward more often than not."""
+    if case["dtype"] == "float64":
+        case["dtype"] = rng.choice(["float32", "float16", "bfloat16"])
+    top = 4.0 if case["dtype"] != "float16" else math.log10(3e3)
+    size = 10 ** rng.uniform(2.0, top)
+    d = case["d"]
+    if rng.random() < 0.5:
+        case["scale"], case["q_gain"] = size / math.sqrt(d), 1.0
+    else:
+        case["scale"] = rng.choice([None, 1.0])
+        scale = 1.0 / math.sqrt(d) if case["scale"] is None else case["scale"]
+        case["q_gain"] = size / (math.sqrt(d) * scale)
+    case["scores"], case["logit_size"] = "large", size
+    rows = rng.choice(["one_key", "one_key", "diagonal", "any"])
+    if rows == "one_key" and case["entry"] != "append":
+        case["k_lens"] = [1] * len(case["q_lens"])
+    elif rows != "any":
+        case["window"] = (0, 0)   # each row sees at most its aligned key
+    case["softcap"] = size * rng.uniform(0.05, 2.0) if rng.random() < 0.35 else 0.0
+    case["dropout"] = None
+    case["grad"] = case["entry"] != "append" and rng.random() < 0.6
+    case["alibi_grad"] = case["alibi_grad"] and case["grad"]
+    if case["grad"]:
+        case["nan"], case["meta"] = None, False
+    if case["entry"] == "paged" and (not case["k_lens"] or case["k_lens"][0] < case["block_size"]):
+        case["shared_first_block"] = False
 
 
 # Mutations that make a call invalid: the library must raise ValueError/TypeError (and write nothing).
@@ -275,7 +328,7 @@ def build(case):
     batch = len(q_lens)
     grad = case["grad"]
     b = {"dtype": dtype, "cu_q": cu_of(q_lens), "cu_k": cu_of(k_lens)}
-    q = _randn(gen, sum(q_lens), hq, d, dtype=dtype)
+    q = (_randn(gen, sum(q_lens), hq, d, dtype=torch.float64) * case.get("q_gain", 1.0)).to(dtype)
     if case["entry"] in ("paged", "append"):
         if case["entry"] == "append":
             _build_append(case, b, gen, dtype)
@@ -908,9 +961,19 @@ def logit_rounding_bound(case, b, ref, c=2.0):
 
 def grad_logit_bounds(case, b, ref, c=2.0):
     """Per-element error of dq, dk, dv when the backward recomputes the scores in float32 and takes
-    P = exp(s - lse) unnormalised (FlashAttention-2): p_ij is off by a factor (1 + e_ij) with
-    |e_ij| <= c u sqrt(D) scale |q_i||k_j|; then |d dv_j| <= sum_i p_ij e_ij |dO_i|, and with
-    dS = P (dP - delta), |d dq_i| <= scale sum_j p_ij e_ij |dP_ij - delta_i| |k_j| (dk alike)."""
+    P = exp(s - lse) unnormalised (FlashAttention-2): each score s_ij is off by up to
+    E_ij = c u sqrt(D) scale |q_i||k_j|, and lse, the logsumexp of the same rounded scores, by the
+    p-weighted mean of those errors, so p_ij is off by a factor (1 + e_ij) with
+    |e_ij| <= sum_{k != j} p_ik (E_ij + E_ik) = (1 - p_ij) E_ij + sum_k p_ik E_ik - p_ij E_ij: zero
+    in a row that sees one key, tiny at the top key of a one-hot row (where MATH is exact too). That
+    needs the backward's scores bit for bit the forward's and an lse exact to its own scores
+    (cpu_fused; it corrects the float32 lse's rounding where |lse| >= 256, so below that its
+    e_ij also takes min(|lse_i|, 256) 2^-24). TRITON has neither: its backward's tl.dot runs other
+    tile shapes (under the interpreter, S came out 10 ulps of |S| apart at D = 8, |S| ~ 5e3), and it
+    keeps a float32 lse only, so its e_ij also takes E_ij (a second rounding of S) and |lse_i| 2^-24.
+    Then
+    |d dv_j| <= sum_i p_ij e_ij |dO_i|, and with dS = P (dP - delta),
+    |d dq_i| <= scale sum_j p_ij e_ij |dP_ij - delta_i| |k_j| (dk alike)."""
     if b["dtype"] == torch.float64 or ref.numel() == 0:
         return {}
     u = 2.0 ** -24
@@ -933,7 +996,13 @@ def grad_logit_bounds(case, b, ref, c=2.0):
         kb = k[ks:ks + lk].repeat_interleave(group, 1)
         vb = v[ks:ks + lk].repeat_interleave(group, 1)
         p = _probabilities(case, qb, kb, s, b, lq, lk)                                   # (H, lq, lk)
-        e = factor * qb.norm(dim=-1).T.unsqueeze(-1) * kb.norm(dim=-1).T.unsqueeze(1)   # (H, lq, lk)
+        big = factor * qb.norm(dim=-1).T.unsqueeze(-1) * kb.norm(dim=-1).T.unsqueeze(1)   # E (H, lq, lk)
+        e = (1 - p) * big + (p * big).sum(-1, keepdim=True) - p * big
+        lse_size = _row_lse(case, qb, kb, s, b).abs().nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1)
+        if case["backend"] == "triton":
+            e = e + big + lse_size * u
+        else:
+            e = e + lse_size.clamp(max=CPU_LSE_EXACT) * u
         pe = p * e
         dp = torch.einsum("qhd,khd->hqk", gob, vb)
         delta = (gob * ob).sum(-1).T.unsqueeze(-1)                                        # (H, lq, 1)
@@ -961,6 +1030,13 @@ def _masked_scores(case, qb, kb, slopes_b):
         sc = sc - slopes_b.to(qb.dtype).view(-1, 1, 1) * dist
     keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"])
     return sc.masked_fill(~keep, -math.inf), keep
+
+
+def _row_lse(case, qb, kb, s, b):
+    """float64 lse (H, lq) of one sequence's rows (-inf where a row sees no key)."""
+    slopes = None if b["slopes"] is None else b["slopes"].detach().double()
+    sc, _ = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
+    return torch.logsumexp(sc, -1)
 
 
 def _probabilities(case, qb, kb, s, b, lq, lk):
@@ -1096,7 +1172,7 @@ def _check_dropout(case, b, out):
     if torch.isnan(out).any():
         raise Failure("dropout: NaN in output")
     torch.manual_seed(case["data_seed"])
-    with backend_context(case["backend"]):
+    with backend_context(case["backend"]), _threads(case.get("threads", 1)):   # as the first call ran
         again, _ = call_library(case, b)
     if not torch.equal(out.detach(), again.detach()):
         raise Failure("dropout: same torch.manual_seed gave a different output")
@@ -1185,8 +1261,10 @@ def classify(case, message):
 # driver
 
 
-def repro(case, backend_arg=None, entry_arg=None):
+def repro(case, backend_arg=None, entry_arg=None, mode_arg=None):
     line = f"PYTHONPATH=. python tests/fuzz.py --seed {case['seed']} --case {case['index']}"
+    if mode_arg and mode_arg != "default":
+        line += f" --mode {mode_arg}"
     if backend_arg:
         line += f" --backend {backend_arg}"
     if entry_arg:
@@ -1202,9 +1280,12 @@ class Stats:
 
     def add(self, case, status):
         if self.out is not None:
-            print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status}",
-                  file=self.out, flush=True)
-        for key in (case["backend"], f"{case['backend']}/{case['entry']}"):
+            print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status} "
+                  f"{int(case.get('scores') == 'large')}", file=self.out, flush=True)
+        keys = [case["backend"], f"{case['backend']}/{case['entry']}"]
+        if case.get("scores") == "large":   # issue 21's large-logit mode, counted apart too
+            keys += ["large", f"large/{case['backend']}"]
+        for key in keys:
             r = self.rows[key]
             r["calls"] += 1
             r["backward"] += bool(case["grad"]) and status != "refused"
@@ -1227,7 +1308,7 @@ class Stats:
 
 
 def fuzz(seed, calls, *, start=0, backend=None, entry=None, verbose=False, out=sys.stdout, known=None,
-         time_budget=None):
+         time_budget=None, mode=None):
     """Run cases start..start+calls-1; returns Stats. ``known``: the KNOWN names to classify as known."""
     known = set(KNOWN) if known is None else set(known)
     stats = Stats(out if verbose else None)
@@ -1235,7 +1316,7 @@ def fuzz(seed, calls, *, start=0, backend=None, entry=None, verbose=False, out=s
     for index in range(start, start + calls):
         if time_budget is not None and time.time() - t0 > time_budget:
             break
-        case = make_case(seed, index, backend, entry)
+        case = make_case(seed, index, backend, entry, mode)
         if verbose:
             print(f"START {index} {json.dumps(case)}", file=out, flush=True)
         if os.environ.get("JAGGED_SDPA_FUZZ_SELFTEST_CRASH") == str(index):  # tests --chunk's crash report
@@ -1254,7 +1335,7 @@ def fuzz(seed, calls, *, start=0, backend=None, entry=None, verbose=False, out=s
         stats.add(case, "known" if classes else "fail")
         stats.failures.append((case, message, classes))
         tag = f"KNOWN[{classes[0]}]" if classes else "FAIL"
-        print(f"{tag} {repro(case, backend, entry)}  # {case['backend']}/{case['entry']} {case['dtype']}: "
+        print(f"{tag} {repro(case, backend, entry, mode)}  # {case['backend']}/{case['entry']} {case['dtype']}: "
               f"{message}", file=out, flush=True)
     return stats
 
@@ -1272,6 +1353,7 @@ def _run_chunked(args):
                "--calls", str(n), "--verbose"]
         cmd += ["--backend", args.backend] if args.backend else []
         cmd += ["--entry", args.entry] if args.entry else []
+        cmd += ["--mode", args.mode] if args.mode else []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 30 * n)
             stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
@@ -1283,19 +1365,20 @@ def _run_chunked(args):
             if line.startswith("START "):
                 last = int(line.split()[1])
             elif line.startswith("DONE "):
-                _, _, backend, entry, grad, status = line.split()
-                stats.add({"backend": backend, "entry": entry, "grad": grad == "1"}, status)
+                _, _, backend, entry, grad, status, large = line.split()
+                stats.add({"backend": backend, "entry": entry, "grad": grad == "1",
+                           "scores": "large" if large == "1" else "normal"}, status)
             elif line.startswith(("KNOWN[", "FAIL ")):
                 classes[line[6:line.index("]")] if line.startswith("KNOWN[") else "NEW"] += 1
                 print(line, flush=True)
         if code != 0:
             crashed = last if last is not None else index
-            case = make_case(args.seed, crashed, args.backend, args.entry)
+            case = make_case(args.seed, crashed, args.backend, args.entry, args.mode)
             known = classify(case, "CRASH")
             classes[f"CRASH:{known[0]}" if known else "CRASH"] += 1
             stats.add(case, "known" if known else "fail")
             tail = [line for line in stderr.strip().splitlines() if "is_fx_tracing" not in line][-1:] or [""]
-            print(f"CRASH (exit {code}){f' KNOWN[{known[0]}]' if known else ''} {repro(case, args.backend, args.entry)}"
+            print(f"CRASH (exit {code}){f' KNOWN[{known[0]}]' if known else ''} {repro(case, args.backend, args.entry, args.mode)}"
                   f"  # {case['backend']}/{case['entry']} {case['dtype']}: {tail[0][:200]}", flush=True)
             index = crashed + 1
         else:
@@ -1312,11 +1395,13 @@ def main(argv=None):
     parser.add_argument("--case", type=int, default=None, help="rebuild, print and run one case")
     parser.add_argument("--backend", choices=BACKENDS, default=None)
     parser.add_argument("--entry", choices=ENTRIES, default=None)
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="large: every case has large logits (default: a share LARGE_SHARE of them)")
     parser.add_argument("--verbose", action="store_true", help="print each case before running it")
     parser.add_argument("--chunk", type=int, default=0, help="run chunks of this many cases in child processes")
     args = parser.parse_args(argv)
     if args.case is not None:
-        case = make_case(args.seed, args.case, args.backend, args.entry)
+        case = make_case(args.seed, args.case, args.backend, args.entry, args.mode)
         print(json.dumps(case, indent=1), flush=True)
         try:
             status, detail = run_case(case)
@@ -1330,7 +1415,7 @@ def main(argv=None):
         return 0
     t0 = time.time()
     stats = fuzz(args.seed, args.calls, start=args.start, backend=args.backend, entry=args.entry,
-                 verbose=args.verbose)
+                 verbose=args.verbose, mode=args.mode)
     print(stats.summary())
     print(f"{args.calls} cases in {time.time() - t0:.1f} s")
     return 0

@@ -1,8 +1,9 @@
-"""The differential fuzzer (``tests/fuzz.py``) in CI: a fixed seed and call budget (400 calls, ~20 s of CPU here).
+"""The differential fuzzer (``tests/fuzz.py``) in CI: a fixed seed and call budget (400 calls, ~20 s of CPU here),
+and 60 calls of its large-logit mode (issue 21; ~10 s).
 
 Every failure prints a one-line repro (``PYTHONPATH=. python tests/fuzz.py --seed S --case I``).
 Long hunts: ``JAGGED_SDPA_FUZZ_CALLS=20000 pytest tests/test_fuzz.py`` or the command line
-(``python tests/fuzz.py --calls 20000 --seed N [--backend X] [--chunk 500]``).
+(``python tests/fuzz.py --calls 20000 --seed N [--backend X] [--chunk 500] [--mode large]``).
 
 ``KNOWN_OPEN`` lists the bug classes of ``fuzz.KNOWN`` still being fixed: a failure matching one
 of them is reported, not failed. Delete a name when its fix lands; the run then fails on it again.
@@ -19,6 +20,7 @@ import fuzz
 
 SEED = 20261124
 CALLS = int(os.environ.get("JAGGED_SDPA_FUZZ_CALLS", "400"))
+LARGE_CALLS = int(os.environ.get("JAGGED_SDPA_FUZZ_LARGE_CALLS", "60"))
 
 # One toggle per open bug class (see fuzz.KNOWN for each predicate and its bug).
 KNOWN_OPEN: set = set()
@@ -38,6 +40,67 @@ def test_fixed_seed_run_has_no_new_failures(capsys):
     calls = stats.rows
     for backend in ("auto", "math", "cpu_fused", "no_kernel"):
         assert calls[backend]["calls"] > 0, f"no call drew backend {backend}"
+
+
+def test_large_logit_mode_has_no_new_failures(capsys):
+    """Issue 21's mode: every call with logits of 1e2-1e4, one-key rows, large softcaps."""
+    stats = fuzz.fuzz(SEED + 1, LARGE_CALLS, known=KNOWN_OPEN, mode="large")
+    with capsys.disabled():
+        print("\n" + stats.summary())
+    new = [f"{fuzz.repro(case, mode_arg='large')}  # {case['backend']}/{case['entry']} {case['dtype']}: {message}"
+           for case, message, classes in stats.failures if not classes]
+    assert not new, "fuzz failures:\n" + "\n".join(new)
+    assert stats.rows["large"]["calls"] == LARGE_CALLS and stats.rows["large"]["backward"] > 0
+
+
+def test_large_logit_mode_draws_what_it_says(monkeypatch):
+    """Scores ~1e2-1e4 (in the scale or in q), rows with exactly one visible key, large softcaps,
+    no float64; the default mode mixes such cases in without redrawing the others."""
+    cases = [fuzz.make_case(3, i, mode="large") for i in range(300)]
+    assert all(c["scores"] == "large" and c["dtype"] != "float64" for c in cases)
+    assert all(100 <= c["logit_size"] <= 1e4 for c in cases)
+    assert max(c["logit_size"] for c in cases) > 5e3
+    one_key = [c for c in cases if c["window"] == (0, 0) or set(c["k_lens"]) == {1}]
+    assert len(one_key) > 150
+    caps = [c["softcap"] / c["logit_size"] for c in cases if c["softcap"]]
+    assert len(caps) > 60 and all(0.05 <= x <= 2.0 for x in caps)
+    assert {c["dtype"] for c in cases} == {"float32", "float16", "bfloat16"}
+    assert sum(c["grad"] for c in cases) > 120 and sum(c["q_gain"] > 1 for c in cases) > 100
+    b = fuzz.build(next(c for c in cases if c["q_gain"] > 50 and c["q_lens"] and sum(c["q_lens"])))
+    assert b["q"].double().abs().max() > 50
+    mixed = [fuzz.make_case(3, i) for i in range(300)]
+    assert 20 < sum(c["scores"] == "large" for c in mixed) < 90
+    monkeypatch.setattr(fuzz, "LARGE_SHARE", 0.0)
+    plain = [fuzz.make_case(3, i) for i in range(300)]
+    kept = ("backend", "entry", "q_lens", "hq", "hkv", "d", "dv", "causal", "layout", "data_seed", "threads")
+    for m, p in zip(mixed, plain):   # a converted case keeps the rest of its draw; the others are equal
+        assert all(m[x] == p[x] for x in kept) and (m == p or m["scores"] == "large")
+
+
+def test_large_logit_mode_catches_the_issue_21_error(monkeypatch):
+    """The checker is tight where the softmax is one-hot: dv off by 5e-4 relative (what the
+    compiled kernel's backward gave at |S| ~ 240 before the fix) fails a one-key case."""
+    case = next(c for c in (fuzz.make_case(9, i, backend="math", entry="varlen", mode="large") for i in range(500))
+                if c["grad"] and set(c["k_lens"]) == {1} and c["dtype"] == "float32" and c["invalid"] is None
+                and sum(c["q_lens"]) >= 4 and not c["seqused"] and not c["alibi_grad"])
+    assert fuzz.run_case(dict(case))[0] == "ok"
+    real = fuzz.jagged_sdpa.varlen_attention
+
+    class Skewed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v):
+            return v.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * (1 + 5e-4)
+
+    def skewed(q, k, v, *args, **kwargs):
+        return real(q, k, Skewed.apply(v), *args, **kwargs)
+
+    monkeypatch.setattr(fuzz.jagged_sdpa, "varlen_attention", skewed)
+    with pytest.raises(fuzz.Failure, match="dv"):
+        fuzz.run_case(dict(case))
 
 
 def test_cases_are_rebuilt_from_seed_and_index():

@@ -108,7 +108,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
                HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
                MASKED: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi) of one sequence, base 2; MASKED=False only for
+    """Online softmax over the key blocks [lo, hi) of one sequence (exp2 of natural-unit differences); MASKED=False only for
     blocks every row of the tile sees."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -119,12 +119,15 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
         qk = _dot(q, k, IEEE)
         s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
                         window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, MASKED)
-        s = s * 1.4426950408889634
+        # The max stays in natural units (the scores as they are): the exponent (s - m) log2(e) is
+        # then exact where s = m, and lse = m + log(l) is the top score itself in a one-hot row, so
+        # the backward's exp(S - lse) gives P = 1 there. (Scaling s by log2(e) first rounded
+        # s log2(e) and m / log2(e): ~|s| 2^-24 each, 5e-4 of P at |s| ~ 1e4.)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key keep m = -inf; subtracting 0 instead avoids -inf - -inf = NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
@@ -276,7 +279,7 @@ def _attn_fwd(
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    lse = tl.where(seen, m_i + tl.math.log(tl.where(seen, l_i, 1.0)), float("-inf"))
 
     o_rows = (start_q + offs_m).to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
     o_ptrs = Out + split.to(tl.int64) * stride_os + o_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_od

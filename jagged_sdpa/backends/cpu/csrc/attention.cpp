@@ -1255,7 +1255,7 @@ void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
 }
 
 struct GradScratch {
-    std::vector<float> q, dout, dq, lse, delta, kt, kr, vt, dk, dv, p, ds, raw;
+    std::vector<float> q, dout, dq, lse, lse_lo, delta, kt, kr, vt, dk, dv, p, ds, raw;
     // AMX (bf16): q and dO rows and transposed (rows padded), K^T and V^T pairs, K pairs of rows,
     // P and dS as pairs of rows and dS as rows in bf16, dK^T and dV^T accumulators.
     std::vector<uint16_t> qb, dob, qT, doT, kp2, pvn, dsvn, ds16;
@@ -1271,6 +1271,7 @@ struct GradScratch {
         }
         dq.assign(rows * dp, 0.f);
         lse.resize(rows);
+        lse_lo.resize(rows);
         delta.resize(rows);
         dk.resize(BK * dp);
         dv.resize(BK * dvp);
@@ -1409,6 +1410,91 @@ struct SharedBlocks {
     }
 };
 
+// delta[i] = dO_i . O_i of query head h's rows q0 .. q0 + n, rounded exactly as dP = dO.V^T is
+// (qk_tile: one FMA chain from 0 in e order; plain multiply-adds where the target has no FMA):
+// in a row whose P is one-hot, O is that key's value row and dP - delta is exactly 0 (MATH's dS
+// is exactly 0 there too). Eight rows' chains at a time: one chain alone waits on each FMA.
+template <class IO>
+void row_deltas(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* delta) {
+    typedef typename IO::T T;
+    const JsParams& p = g.f;
+    constexpr int G = 8;
+    for (int64_t i0 = 0; i0 < n; i0 += G) {
+        const int m = static_cast<int>(std::min<int64_t>(G, n - i0));
+        const T* os[G];
+        const T* dos[G];
+        float acc[G];
+        for (int r = 0; r < G; ++r) {  // rows past n repeat the last one (computed, not stored)
+            const int64_t row = q0 + i0 + std::min(r, m - 1);
+            os[r] = static_cast<const T*>(p.out) + row * p.o_tok + h * p.o_head;
+            dos[r] = static_cast<const T*>(g.dout) + row * g.do_tok + h * g.do_head;
+            acc[r] = 0.f;
+        }
+        for (int64_t e = 0; e < p.head_dim_v; ++e)
+            for (int r = 0; r < G; ++r)
+#if defined(__FMA__)
+                acc[r] = std::fma(IO::ld(dos[r] + e), IO::ld(os[r] + e), acc[r]);
+#else
+                acc[r] += IO::ld(dos[r] + e) * IO::ld(os[r] + e);
+#endif
+        for (int r = 0; r < m; ++r) delta[i0 + r] = acc[r];
+    }
+}
+
+// The float32 lse is off by up to half an ulp of |lse|, so P = exp(S - lse) is too, relatively:
+// 2^-11 at |lse| ~ 1e4, where MATH's P is exact (a one-hot row's top key; dv 2e-3 off). For rows
+// whose |lse| is at least LSE_EXACT this sums P over the row's keys once more, with the forward's
+// scores (``scores``): the sum is exp(L - lse) for the L = m + log(l) the forward rounded, and its
+// log goes to w.lse_lo, which the backward subtracts from S - lse. That pass costs about a forward
+// without P.V (+40% on a backward whose every row needs it). Below LSE_EXACT the rounding moves P
+// by < 7.6e-6 (relative; the float32 gradient floor is 1e-4), and rows of ordinary logits (even
+// attention sinks) never pay for it.
+constexpr float LSE_EXACT = 256.f;
+
+inline bool lse_inexact(float lse) { return std::fabs(lse) >= LSE_EXACT && !std::isinf(lse); }
+
+template <class IO, class Scores>
+void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, bool direct, GradScratch& w,
+                     Scores&& scores) {
+    typedef typename IO::T T;
+    const JsParams& p = g.f;
+    const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = key_count(p, b), shift = p.bottom_right ? len_k - len_q : 0;
+    bool any = false;
+    for (int64_t row = 0; row < group * lq; ++row) any |= lse_inexact(w.lse[row]);
+    if (!any) return;
+    float* pb = w.p.data();
+    for (int64_t kb = 0; kb < len_k; kb += BK) {
+        const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
+        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk);
+        if (!direct) pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
+            const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
+            for (int64_t c0 = 0; c0 < len_q; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, len_q - c0));
+                const int64_t base = gi * lq + c0;
+                bool need = false;
+                for (int r = 0; r < n; ++r) need |= lse_inexact(w.lse[base + r]);
+                if (!need) continue;
+                scores(base, n, krows, nk, pb);
+                for (int r = 0; r < n; ++r) {
+                    const float lse = w.lse[base + r];
+                    if (!lse_inexact(lse)) continue;
+                    float* srow = pb + r * BK;
+                    rule.apply(srow, c0 + r + shift);
+                    vf sum = splat(0.f);
+                    for (int c = 0; c < BK / W; ++c) sum += vexp(loadu(srow + c * W) - splat(lse));
+                    w.lse_lo[base + r] += hsum(sum);
+                }
+            }
+        }
+    }
+    for (int64_t row = 0; row < group * lq; ++row)
+        if (lse_inexact(w.lse[row])) w.lse_lo[row] = std::log(w.lse_lo[row]);
+}
+
 template <class IO>
 void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared) {
     typedef typename IO::T T;
@@ -1419,6 +1505,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t len_k = key_count(p, b);
     const int64_t shift = p.bottom_right ? len_k - len_q : 0;
     if (len_q == 0 || len_k == 0) return;
+    // The forward ran this sequence as direct rows (run_all): recompute its scores the same way.
+    const bool direct = len_q <= p.direct_rows;
 #if JS_AMX
     const bool amx = std::is_same<IO, BF16>::value && amx_ready();
 #else
@@ -1438,13 +1526,11 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             if (i >= len_q) {  // AMX padding
                 w.delta[row] = 0.f;
                 w.lse[row] = INFINITY;
+                w.lse_lo[row] = 0.f;
                 continue;
             }
             const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
-            const T* os = static_cast<const T*>(p.out) + (q0 + i) * p.o_tok + h * p.o_head;
             const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
-            float delta = 0.f;
-            for (int64_t e = 0; e < dv; ++e) delta += IO::ld(dos + e) * IO::ld(os + e);
             if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
                 std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
                 std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
@@ -1454,11 +1540,28 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
                 for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
             }
-            w.delta[row] = delta;
             const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
+            w.lse_lo[row] = 0.f;
         }
+        row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
+    // S (unmasked) of scratch rows base .. base + n against key block kb, rounded as the forward
+    // rounded it: dot<IO> on the key rows for a direct sequence, else qk_tile on K^T packed in w.kt.
+    auto scores = [&](int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
+        if (direct) {
+            for (int r = 0; r < n; ++r) {
+                const float* qr = w.q.data() + (base + r) * dp;
+                for (int j = 0; j < nk; ++j) pb[r * BK + j] = dot<IO>(qr, krows(j), d);
+                std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
+            }
+            return;
+        }
+#define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
+        JS_FOR_TILES(n, JS_QK)
+#undef JS_QK
+    };
+    if (!amx) lse_corrections<IO>(g, b, hk, lq, direct, w, scores);
 #if JS_AMX
     if (amx) amx_configure();
 #endif
@@ -1487,7 +1590,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
         } else {  // K^T, V^T and K rows (zero past nk)
             std::fill(w.kr.begin(), w.kr.end(), 0.f);
-            pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+            if (!direct)  // direct sequences' scores read the key rows in place (dot<IO>)
+                pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
             pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
             pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
             std::fill(w.dk.begin(), w.dk.end(), 0.f);
@@ -1515,9 +1619,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 }
 #endif
                 if (!amx) {
-#define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
-                    JS_FOR_TILES(n, JS_QK)
-#undef JS_QK
+                    scores(base, n, krows, nk, pb);
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
                     JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
@@ -1529,19 +1631,19 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                     float* rawrow = w.raw.data() + r * BK;
                     if (p.softcap > 0.f) std::copy(srow, srow + BK, rawrow);
                     rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
-                    const vf lse = splat(w.lse[base + r]);
+                    const vf lse = splat(w.lse[base + r]), lse_lo = splat(w.lse_lo[base + r]);
                     const vf delta = splat(w.delta[base + r]);
                     if (p.dropout_p > 0.f) {
                         alignas(64) float z[BK] = {};
                         dropout_scale(p, b, h, c0 + r, kb, nk, z);
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp(loadu(srow + c * W) - lse), zc = loadu(z + c * W);
+                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
                             storeu(srow + c * W, pr * zc);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
                         }
                     } else {
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp(loadu(srow + c * W) - lse);
+                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo);
                             storeu(srow + c * W, pr);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
                         }

@@ -59,19 +59,26 @@ def _cached(build, *args):
     return found
 
 
-def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size) -> Options:
-    inputs.validate_bool("causal", causal)
+def _validated(entry, causal_name, causal, alignment, window_size, softcap, dropout_p, scale_name, scale,
+               return_lse, backend, chunk_size) -> Options:
+    """The one validation of a call's options; ``*_name``: how the caller's function spells them."""
+    inputs.validate_bool(causal_name, causal)
     inputs.validate_bool("return_lse", return_lse)
     forced = None if backend is None else to_backend(backend)
+    alignment = inputs.validate_alignment(alignment)
     window = inputs.validate_window(window_size)
-    cap = inputs.validate_softcap(softcap, zero_means_off=True)
+    cap = inputs.validate_softcap(softcap, zero_means_off=entry == "varlen")
     p = inputs.validate_dropout(dropout_p)
     run_p, notes = inputs.dropout_to_run(p)
-    inputs.validate_scale("softmax_scale", softmax_scale, 1)
+    inputs.validate_scale(scale_name, scale, 1)
     chunk = inputs.validate_chunk_size(chunk_size)
-    return Options("varlen", causal, "bottom_right", window, cap, p, run_p,
-                   None if softmax_scale is None else float(softmax_scale), "softmax_scale", return_lse, forced,
-                   tuple(notes), chunk)
+    return Options(entry, causal, alignment, window, cap, p, run_p, None if scale is None else float(scale),
+                   scale_name, return_lse, forced, tuple(notes), chunk)
+
+
+def _varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size) -> Options:
+    return _validated("varlen", "causal", causal, "bottom_right", window_size, softcap, dropout_p, "softmax_scale",
+                      softmax_scale, return_lse, backend, chunk_size)
 
 
 def varlen(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
@@ -81,17 +88,8 @@ def varlen(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1)
 
 
 def _sdpa(dropout_p, is_causal, scale, causal_alignment, window_size, softcap, backend, chunk_size) -> Options:
-    inputs.validate_bool("is_causal", is_causal)
-    forced = None if backend is None else to_backend(backend)
-    alignment = inputs.validate_alignment(causal_alignment)
-    window = inputs.validate_window(window_size)
-    cap = inputs.validate_softcap(softcap, zero_means_off=False)
-    p = inputs.validate_dropout(dropout_p)
-    run_p, notes = inputs.dropout_to_run(p)
-    inputs.validate_scale("scale", scale, 1)
-    chunk = inputs.validate_chunk_size(chunk_size)
-    return Options("sdpa", is_causal, alignment, window, cap, p, run_p, None if scale is None else float(scale),
-                   "scale", False, forced, tuple(notes), chunk)
+    return _validated("sdpa", "is_causal", is_causal, causal_alignment, window_size, softcap, dropout_p, "scale", scale,
+                      False, backend, chunk_size)
 
 
 def sdpa(dropout_p=0.0, is_causal=False, scale=None, causal_alignment="top_left", window_size=None, softcap=None,

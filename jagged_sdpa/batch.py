@@ -144,14 +144,17 @@ def _check_end(name: str, host: tuple, total: int) -> None:
 def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
           block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
           names: Names = VARLEN_NAMES, kv_dense: bool = False, host: Optional[list] = None,
-          prefix_lens: Optional[Tensor] = None) -> Batch:
+          prefix_lens: Optional[Tensor] = None, copy: bool = False) -> Batch:
     """Validate a batch's metadata (``read``: on the host now; else its checks wait for ``bind``).
     ``host``: what the caller read of the same tensors already (``layout.read_host``'s lists).
 
     Raises the ValueError of the first bad content, naming the argument as ``names`` spells it.
     Without a read, ``max_q``/``max_k`` must be given (they bound every length). ``kv_dense``:
     sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here).
-    ``prefix_lens`` (API.md 11): read with the lengths, each within its sequence's key length."""
+    ``prefix_lens`` (API.md 11): read with the lengths, each within its sequence's key length.
+    ``copy``: the batch keeps (and the kernels read) copies of the metadata, taken before it is
+    validated: a batch found again for tensors changed without a torch op (through ``.numpy()``,
+    say, which bumps no version) still holds exactly what was validated."""
     if names is VARLEN_NAMES:
         inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
     else:  # NJT offsets (int64): the kernels take int32; one cast per batch, shared by q and k when they share
@@ -161,6 +164,11 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
     paged = block_table is not None
     size = cu_q.shape[0] - 1
     inputs.validate_prefix_lens(prefix_lens, size, cu_q.device)
+    if copy:
+        copies = {}
+        cu_q, cu_k, block_table, seqused_k, prefix_lens = (
+            None if t is None else copies.setdefault(id(t), t.clone())
+            for t in (cu_q, cu_k, block_table, seqused_k, prefix_lens))
     if kv_dense:
         cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
     if not read:
@@ -234,7 +242,7 @@ def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Op
             if versions is None and read and _same_contents(batch, tensors):
                 return batch
     batch = build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read, names=names,
-                  kv_dense=kv_dense, prefix_lens=prefix_lens)
+                  kv_dense=kv_dense, prefix_lens=prefix_lens, copy=True)
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, batch)

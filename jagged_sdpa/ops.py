@@ -135,9 +135,12 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
                        names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
                        kv_dense=spec.kv_dense, prefix_lens=prefix_lens)
     b.bind(q.shape[0], k)
+    # The kernels read the batch's own copies of the metadata: exactly what was checked.
+    own = dict(cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k if spec.kv_dense else b.cu_seqlens_k,
+               seqused_k=b.seqused_k, block_table=b.block_table, prefix_lens=b.prefix_lens)
     if not b.lengths_known:
-        return call
-    return call.replace(cu_q_host=b.cu_q_host, cu_k_host=b.cu_k_host, seqused_k_host=b.seqused_host,
+        return call.replace(**own)
+    return call.replace(**own, cu_q_host=b.cu_q_host, cu_k_host=b.cu_k_host, seqused_k_host=b.seqused_host,
                         prefix_host=b.prefix_host, spec=spec.replace(lengths_known=True))
 
 

@@ -454,3 +454,16 @@ def test_key_and_value_of_another_structure_are_refused_on_every_path():
         torch.compile(f, fullgraph=True)(q, k, v)   # compiled: a device-side assert (synchronous on the CPU)
     with pytest.raises(ValueError, match="key has 11 tokens, value 12"):
         f(q, k, _nj([6, 6], 3))
+
+
+def test_a_change_that_bumps_no_version_never_reaches_a_kernel_unchecked():
+    """A change through ``.numpy()`` (no torch op, no version bump) is not seen by implicit reuse,
+    but the kernels read the batch's own copies, taken before validation: the call computes with
+    the lengths that were checked, never reads past the tensors (here: keys past k's end)."""
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    q, k, v = _layer()
+    want = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    cu_k.numpy()[1:] = 10_000   # far outside k
+    with _Passthrough():         # the operator path too
+        _same(jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True), want)
+    _same(jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True), want)

@@ -409,3 +409,40 @@ def test_one_batch_validation_per_forward_not_per_layer(models, family, masks, m
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             out = jagged(nxt, attention_mask=mask, past_key_values=past, use_cache=True)
             assert len(builds) == len(reads) == masks, (step, builds, reads)
+
+
+def test_gpt_oss_sinks_equal_eager():
+    """Issue 20: gpt-oss passes learned per-head sinks as ``s_aux``; "jagged" runs them (API.md 11,
+    on MATH until a kernel takes sinks) with its sliding-window layers: logits, the sinks' gradient
+    and greedy generation equal "eager" on each sequence alone."""
+    from transformers import GptOssConfig
+
+    name = jt.register()
+    cfg = GptOssConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                       max_position_embeddings=256, pad_token_id=0, initializer_range=0.3)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    jagged = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name).eval()
+    jagged.load_state_dict(eager.state_dict())
+    seqs = _sequences((9, 3, 6), seed=5)
+    weights = _weights(seqs)
+    ref_logits, ref_grads = _reference(eager, seqs, weights)
+    ids, mask, _ = _pad(seqs, "left")
+    jagged.zero_grad(set_to_none=True)
+    logits = jagged(ids, attention_mask=mask).logits
+    loss = sum((logits[b, _rows("left", len(s), ids.shape[1])] * w).sum() for b, (s, w) in enumerate(zip(seqs, weights)))
+    loss.backward()
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[b, _rows("left", len(s), ids.shape[1])].detach(), ref_logits[b], **TOL)
+    sinks = [n for n in ref_grads if n.endswith("sinks")]
+    assert len(sinks) == 2
+    got = dict(jagged.named_parameters())
+    for n in sinks:
+        torch.testing.assert_close(got[n].grad, ref_grads[n], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        out = jagged.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        for b, s in enumerate(seqs):
+            want = eager.generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), max_new_tokens=6,
+                                  do_sample=False)
+            assert out[b, ids.shape[1]:].tolist() == want[0, len(s):].tolist()

@@ -317,9 +317,8 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     ``(B, Hkv, K, D)`` (cache included) -> ``(output (B, Q, Hq, Dv), None)``. Attention weights are
     never materialised, so ``output_attentions`` yields ``None`` (as with sdpa/flash).
     """
-    for unsupported in ("s_aux", "position_bias"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{unsupported}: not supported by jagged attention (use attn_implementation='eager')")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("position_bias: not supported by jagged attention (use attn_implementation='eager')")
     if kwargs.get("cache") is not None:
         raise ValueError(
             "cache: a paged (continuous batching) cache reached the 'jagged' attention; transformers' continuous "
@@ -352,6 +351,8 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     dropout_p = float(dropout) if module.training else 0.0
     options = dict(dropout_p=dropout_p, softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=float(softcap) if softcap else 0.0)
+    if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (API.md 11)
+        options["sinks"] = kwargs["s_aux"]
 
     q = query.transpose(1, 2)  # (B, Q, Hq, D)
     k = key.transpose(1, 2)

@@ -132,10 +132,6 @@ class Batch:
         checks.queue()
 
 
-def _int32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
-
-
 def _check_end(name: str, host: tuple, total: int) -> None:
     if host[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
@@ -157,18 +153,17 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
     say, which bumps no version) still holds exactly what was validated."""
     if names is VARLEN_NAMES:
         inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
-    else:  # NJT offsets (int64): the kernels take int32; one cast per batch, shared by q and k when they share
-        shared = cu_k is cu_q
-        cu_q = _int32(cu_q)
-        cu_k = cu_q if shared else None if cu_k is None else _int32(cu_k)
     paged = block_table is not None
     size = cu_q.shape[0] - 1
     inputs.validate_prefix_lens(prefix_lens, size, cu_q.device)
+    # int32 for the kernels (NJT offsets are int64: one cast, which is the copy too), shared by q and
+    # k when they share; with ``copy``, everything copied once before it is read.
+    shared = cu_k is cu_q
+    cu_q = cu_q.to(torch.int32, copy=copy)
+    cu_k = cu_q if shared else None if cu_k is None else cu_k.to(torch.int32, copy=copy)
     if copy:
-        copies = {}
-        cu_q, cu_k, block_table, seqused_k, prefix_lens = (
-            None if t is None else copies.setdefault(id(t), t.clone())
-            for t in (cu_q, cu_k, block_table, seqused_k, prefix_lens))
+        block_table, seqused_k, prefix_lens = (None if t is None else t.clone()
+                                               for t in (block_table, seqused_k, prefix_lens))
     if kv_dense:
         cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
     if not read:

@@ -8,7 +8,6 @@ lengths. ``seqlen_stats``/``lengths_stats`` validate what it read. This module d
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -254,10 +253,11 @@ _RECIPES: dict = {}
 
 
 class _Recipe:
-    __slots__ = ("offsets", "size", "strides", "attributes", "values_attributes")
+    """Its attributes hold the layout's offsets: alive while it is, so their id stays theirs."""
+
+    __slots__ = ("size", "strides", "attributes", "values_attributes")
 
     def __init__(self, njt: Tensor):
-        self.offsets = weakref.ref(njt._offsets)
         self.size, self.strides = njt._size, njt._strides
         self.attributes = {k: v for k, v in njt.__dict__.items() if k != "_values"}
         self.values_attributes = dict(njt._values.__dict__)
@@ -272,7 +272,7 @@ def _direct_njt(out: Tensor, offsets: Tensor, min_seqlen: Optional[int], max_seq
     values = out.transpose(0, 1)
     key = (id(offsets), values.shape, values.stride(), values.dtype, values.device, min_seqlen, max_seqlen)
     recipe = _RECIPES.get(key)
-    if recipe is None or recipe.offsets() is not offsets:
+    if recipe is None:
         if len(_RECIPES) >= 64:
             _RECIPES.clear()
         njt = _constructed_njt(values, offsets, min_seqlen, max_seqlen)

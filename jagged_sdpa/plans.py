@@ -65,10 +65,12 @@ class Plan:
     ``varlen_attention``/``sdpa`` (over the caller's tensors, found again while unchanged).
     """
 
-    def __init__(self, batch: batches.Batch, options: opts.Options, refusal: Optional[str] = None):
+    def __init__(self, batch: batches.Batch, options: opts.Options, refusal: Optional[str] = None,
+                 layout_notes: tuple = ()):
         self._batch = batch
         self._options = options
         self._refusal = refusal     # a traced call without max lengths: raised when the operator runs
+        self._layout_notes = tuple(layout_notes)   # how sdpa's NJTs were unwrapped, for explain
         self._kinds: dict = {}
 
     # -- per layer -------------------------------------------------------------------------------
@@ -152,8 +154,6 @@ class Plan:
         if not choosing or self._refusal is not None:
             return _Prepared(spec, None, notes)
         return _Prepared(spec, choose(spec, o.forced, notes), notes)
-
-    _layout_notes: tuple = ()
 
     # -- per batch -------------------------------------------------------------------------------
 
@@ -287,17 +287,11 @@ def _validated_batch(cu_q, cu_k, max_q, max_k, block_table, seqused_k, *, own: b
                      prefix_lens: Optional[Tensor] = None) -> batches.Batch:
     """A plan's batch: metadata checked, copied (``own``: the caller's tensors may change later),
     read on the host unless the device is an accelerator and both max lengths are given."""
-    inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
-    inputs.validate_prefix_lens(prefix_lens, cu_q.shape[0] - 1, cu_q.device)
+    inputs.validate_tensor("cu_seqlens_q", cu_q)  # its device decides the read; ``build`` checks the rest
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_k)
-    if own:
-        tensors = (cu_q, cu_k, block_table, seqused_k, prefix_lens)
-        copies = {id(t): t.clone() for t in tensors if t is not None}
-        cu_q, cu_k, block_table, seqused_k, prefix_lens = (None if t is None else copies[id(t)] for t in tensors)
-    read = host_read(cu_q.device, max_q, max_k)
-    return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read,
-                         prefix_lens=prefix_lens)
+    return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
+                         read=host_read(cu_q.device, max_q, max_k), prefix_lens=prefix_lens, copy=own)
 
 
 def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
@@ -328,9 +322,7 @@ def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = N
     """The plan of a ``varlen_attention``/``sdpa`` call over batch ``b``: kept on the batch, so a
     later call over the same metadata and options finds it, kinds and selections included."""
     if refusal is not None or layout_notes or torch.compiler.is_compiling():
-        p = Plan(b, options, refusal)
-        p._layout_notes = tuple(layout_notes)
-        return p
+        return Plan(b, options, refusal, layout_notes)
     plans = b.plans
     found = plans.get(options)
     if found is None:

@@ -31,6 +31,12 @@ Design
   forced backend may refuse a call with ``NoBackendError`` ("refused"); automatic selection and
   MATH may not. Dropout: same seed -> same output, no NaN; ``dropout_p=1.0`` -> zeros; ``0.0``
   -> the reference. Meta tensors: an output of the right shape on meta (or a clean refusal).
+* API.md section 11 (``sinks``, ``chunk_size``, ``prefix_lens``): ``mode="options"`` (``--mode
+  options``) gives every case at least one of them; by default a share ``OPTIONS_SHARE`` of the
+  ordinary cases draws them (from a stream of its own, so the rest of every case is unchanged).
+  ``varlen``, ``paged``, ``sdpa`` and ``sdpa_dense`` take them; the reference and the float32
+  naive path apply them; the sinks' gradient is checked like every other leaf's; wrong sinks,
+  chunk sizes and prefix lengths are ``invalid`` cases.
 * Failures are collected, never raised: each prints one line with its repro command and the run
   goes on. ``classify`` matches a failure against ``KNOWN`` (open bugs, one entry
   per class; delete an entry once its fix lands).
@@ -124,7 +130,9 @@ def _pick(rng, weighted):
 CPU_LSE_EXACT = 256.0
 # Share of the cases with ordinary scores that the default mode turns into large-logit cases.
 LARGE_SHARE = 0.2
-MODES = ("default", "large")
+OPTIONS_SHARE = 0.3
+OPTION_ENTRIES = ("varlen", "paged", "sdpa", "sdpa_dense")
+MODES = ("default", "large", "options")
 
 
 def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dict:
@@ -203,6 +211,7 @@ def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dic
         "nan": None, "invalid": None, "block_size": rng.randint(1, 17), "shared_first_block": False,
         "max_given": rng.random() < 0.3,
         "data_seed": rng.getrandbits(31),
+        "sinks": None, "sinks_dtype": None, "sinks_size": None, "chunk_size": None, "prefix": False,
     }
     if case["alibi"] and case["grad"] and rng.random() < 0.3:
         case["alibi_grad"] = True
@@ -235,7 +244,32 @@ def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dic
     lrng = random.Random(f"{seed}-{index}-large")
     if mode == "large" or (mode in (None, "default") and scores == "normal" and lrng.random() < LARGE_SHARE):
         _large_logits(case, lrng)
+    orng = random.Random(f"{seed}-{index}-options")
+    if en in OPTION_ENTRIES and not case["meta"] and (
+            mode == "options" or (mode in (None, "default") and case["scores"] != "large" and orng.random() < OPTIONS_SHARE)):
+        _section11_options(case, orng, top)
     return case
+
+
+def _section11_options(case, rng, top):
+    """API.md 11: at least one of sinks (a learned logit per head, its gradient with the others'),
+    chunk_size (small chunks that cut sequences, or one that covers them) and prefix_lens (values
+    drawn in ``build``: 0, the whole key sequence, or anything between); sometimes an invalid one."""
+    while not (case["sinks"] or case["chunk_size"] or case["prefix"]):
+        if rng.random() < 0.5:
+            case["chunk_size"] = rng.choice([1, 2, 3, rng.randint(1, top + 4)])
+        if rng.random() < 0.5:
+            case["prefix"] = True
+        if rng.random() < 0.5:
+            case["sinks"] = "grad" if case["grad"] and rng.random() < 0.6 else "fixed"
+            case["sinks_dtype"] = rng.choice(["float32", case["dtype"]])
+            case["sinks_size"] = rng.choice([0.5, 2.0, 2.0, 20.0])
+    if case["invalid"] is None and rng.random() < 0.06:
+        name = rng.choice(["sinks_shape", "sinks_int", "chunk_zero", "chunk_float", "prefix_over", "prefix_int64",
+                           "prefix_negative"])
+        if name.startswith("prefix") and not case["q_lens"]:
+            name = "chunk_zero"
+        case["invalid"] = name
 
 
 def _large_logits(case, rng):
@@ -375,7 +409,21 @@ def build(case):
         used_gen = random.Random(case["data_seed"])
         b["seqused"] = torch.tensor([used_gen.randint(0, n) for n in k_lens], dtype=torch.int32)
         b["seqused_host"] = b["seqused"].tolist()
+    b["sinks"] = b["prefix_lens"] = None
+    if case["sinks"]:
+        sinks = torch.randn(hq, generator=gen, dtype=torch.float64) * case["sinks_size"]
+        b["sinks"] = sinks.to(DTYPES[case["sinks_dtype"]]).requires_grad_(case["sinks"] == "grad")
+    if case["prefix"]:
+        prng = random.Random(case["data_seed"] + 1)
+        b["prefix_lens"] = torch.tensor([prng.choice([0, n, prng.randint(0, n)]) for n in _key_lens(case, b)],
+                                        dtype=torch.int32)
     return b
+
+
+def _key_lens(case, b):
+    """Every sequence's key length as the call sees it (seqused_k where given)."""
+    used = b.get("seqused_host")
+    return list(used) if used is not None else list(case["k_lens"])
 
 
 def _poke_cache(b, which, row, head, dim):
@@ -436,8 +484,9 @@ def _build_append(case, b, gen, dtype):
 # references
 
 
-def fast_keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
-    """reference.keep_mask, vectorised (the same rule; test_fuzz.py checks they agree)."""
+def fast_keep_mask(len_q, len_k, *, causal, alignment, window, device=None, chunk_size=None, prefix=0):
+    """reference.keep_mask (then reference.chunk_prefix_mask with chunk_size/prefix), vectorised
+    (the same rules; test_fuzz.py checks they agree)."""
     shift = len_k - len_q if alignment == "bottom_right" else 0
     pos = torch.arange(len_q, dtype=torch.float64).unsqueeze(1) + shift
     j = torch.arange(len_k, dtype=torch.float64).unsqueeze(0)
@@ -448,43 +497,61 @@ def fast_keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
         keep &= j >= pos - float(window[0])
     if window[1] >= 0:
         keep &= j <= pos + float(window[1])
+    if chunk_size is not None or prefix:
+        keep = fast_chunk_prefix_mask(keep, len_q, len_k, alignment=alignment, chunk_size=chunk_size, prefix=prefix)
+    return keep
+
+
+def fast_chunk_prefix_mask(keep, len_q, len_k, *, alignment, chunk_size=None, prefix=0):
+    """reference.chunk_prefix_mask, vectorised: chunk ids by floor division ANDed in, the prefix ORed in."""
+    shift = len_k - len_q if alignment == "bottom_right" else 0
+    pos = torch.arange(len_q, dtype=torch.int64).unsqueeze(1) + shift
+    j = torch.arange(len_k, dtype=torch.int64).unsqueeze(0)
+    keep = keep.clone()
+    if chunk_size is not None:
+        keep &= torch.div(pos, chunk_size, rounding_mode="floor") == torch.div(j, chunk_size, rounding_mode="floor")
+    if prefix:
+        keep |= (pos < prefix) & (j < prefix)
     return keep
 
 
 @contextlib.contextmanager
 def fast_reference():
     import reference as module
-    saved = module.keep_mask
-    module.keep_mask = fast_keep_mask
+    saved = module.keep_mask, module.chunk_prefix_mask
+    module.keep_mask, module.chunk_prefix_mask = fast_keep_mask, fast_chunk_prefix_mask
     try:
         yield
     finally:
-        module.keep_mask = saved
+        module.keep_mask, module.chunk_prefix_mask = saved
 
 
-def reference(case, b, grad_leaves=False):
-    """float64 out/lse (and the float64 leaves, for gradients) from tests/reference.py."""
-    q64 = b["q"].double().requires_grad_(grad_leaves)
-    k64 = b["k"].double().requires_grad_(grad_leaves)
-    v64 = b["v"].double().requires_grad_(grad_leaves)
-    slopes = None if b["slopes"] is None else b["slopes"].detach().double().requires_grad_(grad_leaves and case["alibi_grad"])
+def reference(case, b):
+    """float64 out/lse from tests/reference.py."""
+    slopes = None if b["slopes"] is None else b["slopes"].detach().double()
+    sinks = None if b.get("sinks") is None else b["sinks"].detach().double()
+    prefix = None if b.get("prefix_lens") is None else b["prefix_lens"].tolist()
     cu_k = b["cu_k"]
     seqused = b.get("seqused") if case["entry"] == "varlen" else None
     if case["entry"] == "paged":
         cu_k = cu_of(case["k_lens"])
     with fast_reference():
-        out, lse = attention_reference(q64, k64, v64, b["cu_q"], cu_k, scale=case["scale"], causal=case["causal"],
-                                       alignment=case["alignment"], window=case["window"], softcap=case["softcap"],
-                                       alibi_slopes=slopes, seqused_k=seqused)
-    return out, lse, (q64, k64, v64, slopes)
+        return attention_reference(b["q"].double(), b["k"].double(), b["v"].double(), b["cu_q"], cu_k,
+                                   scale=case["scale"], causal=case["causal"], alignment=case["alignment"],
+                                   window=case["window"], softcap=case["softcap"], alibi_slopes=slopes,
+                                   seqused_k=seqused, sinks=sinks, chunk_size=case.get("chunk_size"),
+                                   prefix_lens=prefix)
 
 
-def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=None, with_lse=False):
+def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=None, with_lse=False, sinks=None,
+                    prefix=None):
     """The same math vectorised per sequence (differentiable): in float32 with the output rounded to
     the input dtype, the error a correct low-precision implementation may make; in float64
     (``comp=torch.float64``), the gradient reference (its forward is checked against
     ``reference.attention_reference`` on every case that uses it). ``with_lse`` also returns the lse
-    (Hq, total_q), -inf for rows that see no key, with finite gradients everywhere."""
+    (Hq, total_q), -inf for rows that see no key (the sink with ``sinks``), with finite gradients
+    everywhere. ``sinks`` (Hq,), ``prefix`` (a length per sequence) and ``case["chunk_size"]``:
+    API.md 11."""
     dtype = q.dtype
     comp = comp or (torch.float64 if dtype == torch.float64 else torch.float32)
     hq, hkv = q.shape[1], k.shape[1]
@@ -498,21 +565,21 @@ def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=N
         qb = q[cu_q[s]:cu_q[s + 1]].to(comp)
         if lq == 0:
             continue
+        sink = None if sinks is None else sinks.to(comp)
         if lk == 0:
             outs.append(torch.zeros(lq, hq, v.shape[2], dtype=comp) + 0 * qb.sum())
-            lses.append(torch.full((hq, lq), -math.inf, dtype=comp))
+            lses.append(_no_key_lse(hq, lq, comp, sink))
             continue
         kb = k[ks:ks + lk].to(comp).repeat_interleave(group, 1)
         vb = v[ks:ks + lk].to(comp).repeat_interleave(group, 1)
-        sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
-        seen = keep.any(-1).view(1, lq, 1)
-        sc = sc.masked_fill(~seen, 0.0)   # unseen rows: finite, dropped below
-        p = torch.where(seen, torch.softmax(sc, -1), torch.zeros_like(sc))
+        sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]),
+                                  0 if prefix is None else prefix[s])
+        p, lse_s = _softmax_rows(sc, keep, sink)
         outs.append(torch.einsum("hqk,khd->qhd", p, vb))
-        lses.append(torch.where(seen.view(1, lq), torch.logsumexp(sc, -1), torch.full_like(sc[..., 0], -math.inf)))
+        lses.append(lse_s)
     if not outs:
         out = torch.zeros(q.shape[0], hq, v.shape[2], dtype=dtype)
-        lse = torch.full((hq, q.shape[0]), -math.inf, dtype=comp)
+        lse = _no_key_lse(hq, q.shape[0], comp, None if sinks is None else sinks.to(comp))
     else:
         out = torch.cat(outs).to(dtype)
         lse = torch.cat(lses, 1)
@@ -589,6 +656,7 @@ def call_library(case, b, mutate=None):
             kw["block_table"], kw["seqused_k"] = b["table"], b["seqused"]
         elif case["seqused"]:
             kw["seqused_k"] = b["seqused"]
+        kw.update(_section11_kwargs(case, b))
         if mutate:
             mutate(args, kw)
         res = jagged_sdpa.varlen_attention(*args.values(), **kw)
@@ -603,11 +671,24 @@ def call_library(case, b, mutate=None):
     args = {"query": q, "key": k, "value": v, "attn_mask": None, "dropout_p": p, "is_causal": case["causal"],
             "scale": case["scale"], "enable_gqa": case["hq"] != case["hkv"]}
     kw = {"causal_alignment": case["alignment"], "window_size": case["window"],
-          "softcap": case["softcap"] or None, "alibi_slopes": b["slopes"], "backend": backend}
+          "softcap": case["softcap"] or None, "alibi_slopes": b["slopes"], "backend": backend,
+          **_section11_kwargs(case, b)}
     if mutate:
         mutate(args, kw)
     out = jagged_sdpa.sdpa(*args.values(), **kw)
     return out.transpose(1, 2).values(), None
+
+
+def _section11_kwargs(case, b):
+    """The case's API.md 11 arguments (only those it draws, so the others stay at their defaults)."""
+    kw = {}
+    if case.get("chunk_size") is not None:
+        kw["chunk_size"] = case["chunk_size"]
+    if b.get("sinks") is not None:
+        kw["sinks"] = b["sinks"]
+    if b.get("prefix_lens") is not None:
+        kw["prefix_lens"] = b["prefix_lens"]
+    return kw
 
 
 def _mutation(case, b):
@@ -663,6 +744,22 @@ def _mutation(case, b):
         elif name == "dv_mismatch":
             key = "v" if first == "q" else "value"
             args[key] = _drop_rows(args[key], first == "q")
+        elif name == "sinks_shape":
+            kw["sinks"] = torch.zeros(case["hq"] + 1)
+        elif name == "sinks_int":
+            kw["sinks"] = torch.zeros(case["hq"], dtype=torch.int32)
+        elif name == "chunk_zero":
+            kw["chunk_size"] = 0
+        elif name == "chunk_float":
+            kw["chunk_size"] = 2.0
+        elif name.startswith("prefix"):
+            lens = torch.tensor(_key_lens(case, b), dtype=torch.int32)
+            if name == "prefix_over":
+                kw["prefix_lens"] = lens + 1
+            elif name == "prefix_int64":
+                kw["prefix_lens"] = lens.long()
+            else:
+                kw["prefix_lens"] = lens - lens - 1
     return m
 
 
@@ -836,14 +933,14 @@ def _run_case(case):
         raise Failure(f"out: {out.dtype} {tuple(out.shape)}, expected {dtype} {(total_q, hq, dv)}")
     if case["dropout"] in ("stats", "one"):
         return _check_dropout(case, b, out)
-    ref, ref_lse, _ = reference(case, b)
+    ref, ref_lse = reference(case, b)
     lowp_out = _naive_of(case, b)
     ref_cmp, may_nan = ref, None
     if case["nan"] is not None and case["nan"][0] in "kv":
         ref_cmp, may_nan = _nan_value_reference(case, b, ref)
     _close("out", out, ref_cmp, dtype, lowp=lowp_out, fudge=FUDGE[dtype], may_nan=may_nan,
            extra=logit_rounding_bound(case, b, ref))
-    empty = torch.isneginf(ref_lse).T
+    empty = torch.isneginf(ref_lse).T if b["sinks"] is None else _rows_without_keys(case, b)
     seen = out.detach()[empty]
     if empty.any() and not (seen[~torch.isnan(seen)] == 0).all():
         raise Failure("out: a row that sees no key is not exactly 0")
@@ -855,18 +952,33 @@ def _run_case(case):
     return "ok", ""
 
 
+def _rows_without_keys(case, b):
+    """(total_q, Hq) bool: the rows that see no key (with sinks their lse is the sink, not -inf)."""
+    rows = []
+    cu_q = [int(x) for x in b["cu_q"]]
+    prefix = b.get("prefix_lens")
+    for s, lk in enumerate(_key_lens(case, b)):
+        lq = cu_q[s + 1] - cu_q[s]
+        keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"],
+                              chunk_size=case.get("chunk_size"), prefix=0 if prefix is None else int(prefix[s]))
+        rows.append(~keep.any(-1))
+    empty = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
+    return empty.unsqueeze(1).expand(-1, case["hq"])
+
+
 def _gradient_reference(case, b, ref, ref_lse):
     """Differentiable float64 out/lse: naive_attention in float64 (vectorised: autograd through
     reference.py's per-row loops takes seconds), first checked equal to reference.py's forward."""
     leaves = [b[x].double().requires_grad_(True) for x in ("q", "k", "v")]
     slopes = None if b["slopes"] is None else b["slopes"].detach().double().requires_grad_(case["alibi_grad"])
+    sinks = None if b["sinks"] is None else b["sinks"].detach().double().requires_grad_(case["sinks"] == "grad")
     out64, lse64 = _naive_of(case, {**b, "q": leaves[0], "k": leaves[1], "v": leaves[2]}, slopes=slopes,
-                             comp=torch.float64, with_lse=True)
+                             comp=torch.float64, with_lse=True, sinks=sinks)
     if out64.numel() and not torch.allclose(out64, ref, rtol=1e-9, atol=1e-9):
         raise RuntimeError(f"naive float64 forward differs from reference.py by {(out64 - ref).abs().max().item():.3g}")
     if lse64.numel() and not torch.allclose(lse64, ref_lse, rtol=1e-9, atol=1e-9):
         raise RuntimeError("naive float64 lse differs from reference.py")
-    return out64, lse64, (*leaves, slopes)
+    return out64, lse64, (*leaves, slopes, sinks)
 
 
 def _run_meta(case, b):
@@ -913,13 +1025,14 @@ def _nan_value_reference(case, b, ref):
     probe = {**b, "q": torch.zeros_like(b["q"]), "k": torch.zeros_like(b["k"]), "v": bad.to(b["v"].dtype),
              "slopes": None}
     plain = {**case, "softcap": 0.0, "alibi": None}
-    kept, _, _ = reference(plain, probe)
-    near, _, _ = reference({**plain, "causal": False, "window": (-1, -1), "alignment": "top_left"}, probe)
+    kept, _ = reference(plain, probe)
+    near, _ = reference({**plain, "causal": False, "window": (-1, -1), "alignment": "top_left", "chunk_size": None},
+                        {**probe, "prefix_lens": None})
     if which == "k":  # the reference masked_fills a masked key's NaN score: ref is already right
         return ref, (near > 0).any(-1, keepdim=True).expand_as(ref) & ~torch.isnan(ref)
     must = kept > 0
     clean = {**b, "v": b["v"].masked_fill(bad, 0.0)}
-    ref_clean, _, _ = reference(case, clean)
+    ref_clean, _ = reference(case, clean)
     return torch.where(must, torch.full_like(ref_clean, math.nan), ref_clean), (near > 0) & ~must
 
 
@@ -1016,9 +1129,33 @@ def grad_logit_bounds(case, b, ref, c=2.0):
     return {"q": bq, "k": bk, "v": bv}
 
 
-def _masked_scores(case, qb, kb, slopes_b):
+def _no_key_lse(hq, rows, dtype, sink):
+    """The lse of rows that see no key: -inf, or the sink (differentiably)."""
+    if sink is None:
+        return torch.full((hq, rows), -math.inf, dtype=dtype)
+    return sink.view(hq, 1).expand(hq, rows)
+
+
+def _softmax_rows(sc, keep, sink=None):
+    """Probabilities (H, Lq, Lk) and lse (H, Lq) of masked scores, with ``sink`` (H,) one more logit
+    in every row's denominator; rows that see no key: p 0 and lse -inf (the sink), with finite
+    gradients everywhere."""
+    lq = sc.shape[1]
+    seen = keep.any(-1).view(1, lq, 1)
+    sc = sc.masked_fill(~seen, 0.0)   # unseen rows: finite, dropped below
+    if sink is None:
+        p, lse = torch.softmax(sc, -1), torch.logsumexp(sc, -1)
+    else:
+        full = torch.cat([sc, sink.to(sc.dtype).view(-1, 1, 1).expand(sc.shape[0], lq, 1)], -1)
+        p, lse = torch.softmax(full, -1)[..., :-1], torch.logsumexp(full, -1)
+    empty = _no_key_lse(sc.shape[0], lq, sc.dtype, None if sink is None else sink.to(sc.dtype))
+    return torch.where(seen, p, torch.zeros_like(p)), torch.where(seen.view(1, lq), lse, empty)
+
+
+def _masked_scores(case, qb, kb, slopes_b, prefix=0):
     """Scores (Hq, Lq, Lk) in qb's dtype: scale, softcap, ALiBi (slopes_b (Hq,) or None), then the
-    masked keys at -inf; and the keep mask (Lq, Lk)."""
+    masked keys at -inf (causal, window, chunk_size; the sequence's ``prefix``); and the keep mask
+    (Lq, Lk)."""
     lq, lk = qb.shape[0], kb.shape[0]
     scale = 1.0 / math.sqrt(case["d"]) if case["scale"] is None else case["scale"]
     sc = torch.einsum("qhd,khd->hqk", qb, kb) * scale
@@ -1028,33 +1165,41 @@ def _masked_scores(case, qb, kb, slopes_b):
         shift = lk - lq if case["alignment"] == "bottom_right" else 0
         dist = (torch.arange(lq).unsqueeze(1) + shift - torch.arange(lk).unsqueeze(0)).abs().to(qb.dtype)
         sc = sc - slopes_b.to(qb.dtype).view(-1, 1, 1) * dist
-    keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"])
+    keep = fast_keep_mask(lq, lk, causal=case["causal"], alignment=case["alignment"], window=case["window"],
+                          chunk_size=case.get("chunk_size"), prefix=prefix)
     return sc.masked_fill(~keep, -math.inf), keep
 
 
-def _row_lse(case, qb, kb, s, b):
-    """float64 lse (H, lq) of one sequence's rows (-inf where a row sees no key)."""
+def _row_softmax(case, qb, kb, s, b):
+    """float64 probabilities (H, lq, lk) and lse (H, lq) of sequence s's rows (API.md 11 included)."""
     slopes = None if b["slopes"] is None else b["slopes"].detach().double()
-    sc, _ = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
-    return torch.logsumexp(sc, -1)
+    prefix = 0 if b.get("prefix_lens") is None else int(b["prefix_lens"][s])
+    sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]),
+                              prefix)
+    return _softmax_rows(sc, keep, None if b.get("sinks") is None else b["sinks"].detach().double())
+
+
+def _row_lse(case, qb, kb, s, b):
+    """float64 lse (H, lq) of one sequence's rows (-inf where a row sees no key, or the sink)."""
+    return _row_softmax(case, qb, kb, s, b)[1]
 
 
 def _probabilities(case, qb, kb, s, b, lq, lk):
-    slopes = None if b["slopes"] is None else b["slopes"].detach().double()
-    sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]))
-    p = torch.softmax(sc, -1)
-    return torch.where(keep.any(-1).view(1, lq, 1), p, torch.zeros_like(p))
+    return _row_softmax(case, qb, kb, s, b)[0]
 
 
-def _naive_of(case, b, slopes=None, comp=None, with_lse=False):
+def _naive_of(case, b, slopes=None, comp=None, with_lse=False, sinks=None):
     seqused = b.get("seqused") if case["entry"] in ("varlen", "paged", "append") and \
         (case["seqused"] or case["entry"] != "varlen") else None
     cu_k = b["cu_k"] if case["entry"] != "paged" else cu_of(case["k_lens"])
     if case["entry"] in ("paged", "append"):
         seqused = None
+    if sinks is None and b.get("sinks") is not None:
+        sinks = b["sinks"].detach()
     return naive_attention(case, b["q"], b["k"], b["v"], b["cu_q"], cu_k, seqused,
                            b["slopes"].detach() if slopes is None and b["slopes"] is not None else slopes,
-                           comp=comp, with_lse=with_lse)
+                           comp=comp, with_lse=with_lse, sinks=sinks,
+                           prefix=None if b.get("prefix_lens") is None else b["prefix_lens"].tolist())
 
 
 def _one_line(exc):
@@ -1074,42 +1219,47 @@ def _backward(case, b, out):
     grads["q"] = b["q_leaf"].base.grad
     if case["alibi_grad"]:
         grads["alibi"] = b["slopes"].grad
+    if case["sinks"] == "grad":
+        grads["sinks"] = b["sinks"].grad
     return grads
 
 
 def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
     dtype = b["dtype"]
-    q64, k64, v64, s64 = leaves64
+    q64, k64, v64, s64, sinks64 = leaves64
+    all64 = (q64, k64, v64, s64, sinks64)
     if not ref.requires_grad:
         ref = ref + 0 * q64.sum()  # no query row at all: every gradient is zero
     stored = {}
     if dtype != torch.float64:
         # delta = rowsum(dO * O) from the output as stored (FlashAttention-2's backward): the error
         # of the library's own (already checked) output moves dq/dk by exactly this much.
-        stored = _stored_output_grads([q64, k64, v64, s64], ref, ref_lse, b["grad_out"], out)
+        stored = _stored_output_grads(list(all64), ref, ref_lse, b["grad_out"], out)
         # dS = P * (dP - delta) cancels: float32 rounding of the two dot products over Dv (~u sqrt(Dv)
         # |dO||O|) moves dq/dk like an error of delta, by up to scale * |k| times it.
         u = 2.0 ** -24 * 4 * math.sqrt(max(case["dv"], 1))
         mag = (b["grad_out"].double().abs() * ref.detach().abs()).sum(-1).T * u
-        rounding = _stored_output_grads([q64, k64, v64, s64], ref, ref_lse, b["grad_out"], out, err=mag)
+        rounding = _stored_output_grads(list(all64), ref, ref_lse, b["grad_out"], out, err=mag)
         stored.update({("round", key): g for key, g in rounding.items()})
-    want = torch.autograd.grad(ref, [x for x in (q64, k64, v64, s64) if x is not None and x.requires_grad],
+    want = torch.autograd.grad(ref, [x for x in all64 if x is not None and x.requires_grad],
                                b["grad_out"].double(), allow_unused=True, retain_graph=True)
-    want = dict(zip([id(x) for x in (q64, k64, v64, s64) if x is not None and x.requires_grad], want))
+    want = dict(zip([id(x) for x in all64 if x is not None and x.requires_grad], want))
     # Same math in float32 rounded to the dtype: gradients a correct low-precision backward may have.
     lq = b["q"].float().requires_grad_(True)
     lk = b["k"].float().requires_grad_(True)
     lv = b["v"].float().requires_grad_(True)
     ls = None if b["slopes"] is None else b["slopes"].detach().clone().requires_grad_(case["alibi_grad"])
+    lsk = None if b["sinks"] is None else b["sinks"].detach().float().requires_grad_(case["sinks"] == "grad")
     cast = (lambda t: t) if dtype == torch.float64 else (lambda t: t.to(dtype))
-    lo_out = _naive_of(case, {**b, "q": cast(lq), "k": cast(lk), "v": cast(lv)}, slopes=ls)
-    lo_leaves = [x for x in (lq, lk, lv, ls) if x is not None and x.requires_grad]
+    lo_out = _naive_of(case, {**b, "q": cast(lq), "k": cast(lk), "v": cast(lv)}, slopes=ls, sinks=lsk)
+    lo_leaves = [x for x in (lq, lk, lv, ls, lsk) if x is not None and x.requires_grad]
     if lo_out.requires_grad:
         lo = torch.autograd.grad(lo_out, lo_leaves, b["grad_out"].to(lo_out.dtype), allow_unused=True)
     else:
         lo = [None] * len(lo_leaves)
     lo = [None if g is None else cast(g) for g in lo]
-    lo_of = dict(zip(["q", "k", "v", "alibi"][:len(lo)], lo))
+    lo_names = ["q", "k", "v"] + ["alibi"] * bool(case["alibi_grad"]) + ["sinks"] * (case["sinks"] == "grad")
+    lo_of = dict(zip(lo_names, lo))
     bounds = grad_logit_bounds(case, b, ref.detach())
 
     def pick(name, leaf64):
@@ -1148,6 +1298,16 @@ def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
         # The slopes are float32 by contract, so their gradient is too, whatever the call's dtype.
         slope_dtype = torch.float32 if dtype == torch.float64 else dtype
         _close("dalibi", g, w, slope_dtype, grad=True, lowp=widest, fudge=FUDGE[slope_dtype])
+    if case["sinks"] == "grad":
+        g = grads.get("sinks")
+        if g is None:
+            raise Failure("dsinks: sinks requires grad but got no gradient")
+        if g.dtype != b["sinks"].dtype:
+            raise Failure(f"dsinks: dtype {g.dtype}, expected the sinks' {b['sinks'].dtype}")
+        w, widest = pick("sinks", sinks64)
+        # computed in float32 (float64 for float64 sinks), however the call's dtype rounds the rest
+        sink_dtype = max(dtype, b["sinks"].dtype, key=lambda t: torch.finfo(t).eps)
+        _close("dsinks", g, w, sink_dtype, grad=True, lowp=widest, fudge=FUDGE[sink_dtype])
 
 
 def _scatter_cache(b, name, packed_grad):
@@ -1272,6 +1432,10 @@ def repro(case, backend_arg=None, entry_arg=None, mode_arg=None):
     return line
 
 
+def _has_options(case):
+    return bool(case.get("sinks") or case.get("chunk_size") is not None or case.get("prefix"))
+
+
 class Stats:
     def __init__(self, out=None):
         self.rows = defaultdict(lambda: defaultdict(int))
@@ -1281,10 +1445,12 @@ class Stats:
     def add(self, case, status):
         if self.out is not None:
             print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status} "
-                  f"{int(case.get('scores') == 'large')}", file=self.out, flush=True)
+                  f"{int(case.get('scores') == 'large')} {int(_has_options(case))}", file=self.out, flush=True)
         keys = [case["backend"], f"{case['backend']}/{case['entry']}"]
         if case.get("scores") == "large":   # issue 21's large-logit mode, counted apart too
             keys += ["large", f"large/{case['backend']}"]
+        if _has_options(case):              # API.md 11's options, counted apart too
+            keys += ["options", f"options/{case['backend']}"]
         for key in keys:
             r = self.rows[key]
             r["calls"] += 1
@@ -1365,9 +1531,9 @@ def _run_chunked(args):
             if line.startswith("START "):
                 last = int(line.split()[1])
             elif line.startswith("DONE "):
-                _, _, backend, entry, grad, status, large = line.split()
+                _, _, backend, entry, grad, status, large, options = line.split()
                 stats.add({"backend": backend, "entry": entry, "grad": grad == "1",
-                           "scores": "large" if large == "1" else "normal"}, status)
+                           "scores": "large" if large == "1" else "normal", "prefix": options == "1"}, status)
             elif line.startswith(("KNOWN[", "FAIL ")):
                 classes[line[6:line.index("]")] if line.startswith("KNOWN[") else "NEW"] += 1
                 print(line, flush=True)
@@ -1396,7 +1562,9 @@ def main(argv=None):
     parser.add_argument("--backend", choices=BACKENDS, default=None)
     parser.add_argument("--entry", choices=ENTRIES, default=None)
     parser.add_argument("--mode", choices=MODES, default=None,
-                        help="large: every case has large logits (default: a share LARGE_SHARE of them)")
+                        help="large: every case has large logits (default: a share LARGE_SHARE of them); "
+                             "options: every case draws API.md 11's sinks/chunk_size/prefix_lens (default: a share "
+                             "OPTIONS_SHARE)")
     parser.add_argument("--verbose", action="store_true", help="print each case before running it")
     parser.add_argument("--chunk", type=int, default=0, help="run chunks of this many cases in child processes")
     args = parser.parse_args(argv)

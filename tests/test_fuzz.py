@@ -175,3 +175,76 @@ def test_paged_backward_with_huge_logits_runs_in_the_compiled_kernel(seed, index
     case = fuzz.make_case(seed, index, backend="auto")
     assert case["entry"] == "paged" and case["grad"] and case["scores"] == "huge"
     assert fuzz.run_case(case)[0] == "ok"
+
+
+def test_options_mode_draws_every_option_and_keeps_the_other_draws(monkeypatch):
+    """API.md 11 in the fuzzer: --mode options gives every case of the entries that take them at
+    least one of sinks (some with a gradient), chunk_size and prefix_lens; the default mode draws
+    them for a share of the cases without changing anything else those cases draw."""
+    cases = [fuzz.make_case(4, i, mode="options") for i in range(300)]
+    takes = [c for c in cases if c["entry"] in fuzz.OPTION_ENTRIES and not c["meta"]]
+    assert takes and all(fuzz._has_options(c) for c in takes)
+    assert not any(fuzz._has_options(c) for c in cases if c not in takes)
+    assert sum(c["sinks"] == "grad" for c in takes) > 10 and sum(c["chunk_size"] is not None for c in takes) > 50
+    assert sum(c["prefix"] for c in takes) > 50
+    new_invalid = {"sinks_shape", "sinks_int", "chunk_zero", "chunk_float", "prefix_over", "prefix_int64",
+                   "prefix_negative"}
+    assert len({c["invalid"] for c in takes} & new_invalid) >= 4
+    mixed = [fuzz.make_case(4, i) for i in range(300)]
+    assert 30 < sum(map(fuzz._has_options, mixed)) < 150
+    monkeypatch.setattr(fuzz, "OPTIONS_SHARE", 0.0)
+    plain = [fuzz.make_case(4, i) for i in range(300)]
+    drawn = ("sinks", "sinks_dtype", "sinks_size", "chunk_size", "prefix", "invalid")
+    for m, p in zip(mixed, plain):
+        assert {k: v for k, v in m.items() if k not in drawn} == {k: v for k, v in p.items() if k not in drawn}
+
+
+def test_fast_masks_are_the_reference_rule_with_chunks_and_prefixes():
+    import reference
+    for lq in (0, 1, 3, 7):
+        for lk in (0, 1, 4, 9):
+            for alignment in ("top_left", "bottom_right"):
+                for chunk, prefix in ((None, 0), (1, 0), (3, 0), (2, 3), (None, 4), (5, 9)):
+                    opts = {"causal": True, "alignment": alignment, "window": (2, -1)}
+                    want = reference.chunk_prefix_mask(reference.keep_mask(lq, lk, **opts), lq, lk, alignment=alignment,
+                                                       chunk_size=chunk, prefix=prefix)
+                    assert torch.equal(fuzz.fast_keep_mask(lq, lk, **opts, chunk_size=chunk, prefix=prefix), want)
+
+
+def _option_case(option):
+    for index in range(3000):
+        case = fuzz.make_case(8, index, backend="math", entry="varlen", mode="options")
+        if case["invalid"] is None and case["dtype"] == "float32" and case["nan"] is None and not case["dropout"] \
+                and sum(case["q_lens"]) >= 3 and sum(case["k_lens"]) >= 3 and option(case):
+            b = fuzz.build(case)
+            if fuzz.run_case(dict(case))[0] == "ok" and (b["prefix_lens"] is None or b["prefix_lens"].sum() > 0):
+                return case
+    raise AssertionError("no such case drawn")
+
+
+@pytest.mark.parametrize("name, option", [
+    ("sinks", lambda c: c["sinks"] == "grad" and c["grad"]),
+    ("chunk_size", lambda c: c["chunk_size"] in (1, 2) and not c["sinks"] and not c["prefix"]),
+    ("prefix_lens", lambda c: c["prefix"] and c["causal"] and c["chunk_size"] is None
+     and not c["sinks"]),
+])
+def test_checker_catches_an_ignored_option(monkeypatch, name, option):
+    """The options are checked, not merely passed: a library that ignored one of them (or lost the
+    sinks' gradient) fails the case."""
+    case = _option_case(option)
+    real = fuzz.jagged_sdpa.varlen_attention
+
+    def ignoring(*args, **kwargs):
+        kwargs.pop(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fuzz.jagged_sdpa, "varlen_attention", ignoring)
+    with pytest.raises(fuzz.Failure):
+        fuzz.run_case(dict(case))
+    if name == "sinks":
+        def detached_sinks(*args, **kwargs):
+            return real(*args, **{**kwargs, "sinks": kwargs["sinks"].detach()})
+
+        monkeypatch.setattr(fuzz.jagged_sdpa, "varlen_attention", detached_sinks)
+        with pytest.raises(fuzz.Failure, match="dsinks"):
+            fuzz.run_case(dict(case))

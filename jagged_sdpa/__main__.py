@@ -143,11 +143,20 @@ def spec_from_args(args) -> AttnSpec:
     cu = lambda ls: torch.tensor([0] + [sum(ls[:i + 1]) for i in range(len(ls))], dtype=torch.int32)
     cu_q = cu(lengths)
     cu_k = cu_q if args.kv_lengths is None else cu(kv_lengths)
-    batch = batches.build(cu_q, cu_k, None, None, read=True, names=batches.SDPA_NAMES)
-    options = opts.sdpa(args.dropout, args.causal, None, "bottom_right" if args.bottom_right else "top_left",
-                        window, args.softcap)
+    prefix_lens = None
+    if args.prefix_lens is not None:
+        if len(args.prefix_lens) != len(lengths):
+            raise SystemExit(f"--prefix-lens has {len(args.prefix_lens)} entries but --lengths has {len(lengths)}")
+        prefix_lens = torch.tensor(args.prefix_lens, dtype=torch.int32)
+    try:  # the call's own checks, with the flags' names for the arguments'
+        batch = batches.build(cu_q, cu_k, None, None, read=True, names=batches.SDPA_NAMES, prefix_lens=prefix_lens)
+        options = opts.sdpa(args.dropout, args.causal, None, "bottom_right" if args.bottom_right else "top_left",
+                            window, args.softcap, chunk_size=args.chunk_size)
+    except ValueError as err:
+        raise SystemExit(str(err).replace("prefix_lens", "--prefix-lens").replace("chunk_size", "--chunk-size"))
     alibi = "per_head" if args.alibi else None
-    spec = plans.spec_of(batch, options, q, k, v, alibi, False, args.requires_grad)
+    spec = plans.spec_of(batch, options, q, k, v, alibi, False, args.requires_grad, sinks=args.sinks,
+                         sinks_grad=args.sinks and args.requires_grad)
     return spec.replace(device_type=device.type, capability=capability)
 
 
@@ -231,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--softcap", type=float)
     explain.add_argument("--alibi", action="store_true")
     explain.add_argument("--dropout", type=float, default=0.0)
+    explain.add_argument("--sinks", action="store_true", help="a sink logit per query head (API.md 11)")
+    explain.add_argument("--chunk-size", type=int, help="chunked attention: chunk length C (API.md 11)")
+    explain.add_argument("--prefix-lens", type=_ints, help="prefix-LM: a prefix length per sequence (API.md 11)")
     explain.add_argument("--requires-grad", action="store_true")
     explain.add_argument("--backend", choices=[b.value for b in Backend], help="explain a forced backend")
     explain.set_defaults(func=cmd_explain)

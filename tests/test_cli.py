@@ -50,6 +50,21 @@ def test_explain_builds_the_spec_the_call_builds():
     assert not spec_from_args(args).equal_lengths
 
 
+def test_explain_takes_section_11_options(capsys):
+    """--sinks, --chunk-size and --prefix-lens describe API.md 11's options; bad values are refused
+    by the call's own checks, named as the flags."""
+    assert main(["explain", "--lengths", "5,17,30", "--causal", "--sinks", "--chunk-size", "8", "--prefix-lens",
+                 "2,0,7", "--requires-grad", "--backend", "math"]) == 0
+    text = capsys.readouterr().out
+    assert "chunk_size=8" in text and "prefix_lens" in text and "sinks(grad)" in text and "chosen: math" in text
+    with pytest.raises(SystemExit, match="--prefix-lens"):
+        main(["explain", "--lengths", "5,17", "--prefix-lens", "9,0"])
+    with pytest.raises(SystemExit, match="--prefix-lens has 1 entries"):
+        main(["explain", "--lengths", "5,17", "--prefix-lens", "3"])
+    with pytest.raises(SystemExit, match="--chunk-size"):
+        main(["explain", "--lengths", "5,17", "--chunk-size", "0"])
+
+
 def test_explain_rejects_bad_arguments():
     with pytest.raises(SystemExit):
         main(["explain", "--lengths", "3,x"])

@@ -88,13 +88,16 @@ TINY = Workload("tiny", (6, 8, 10, 7), heads=2, head_dim=16, description="B=4, l
 
 
 def standard_workloads() -> list[Workload]:
-    """The issue's table, in its order: fp32 forward and forward+backward, then W5 (W1 in bf16)."""
+    """The issue's table, in its order: fp32 forward and forward+backward, then W5 (W1 in bf16),
+    then W3 and W4 in bf16 (issue 22)."""
     rows = [
         W1, W1.with_(causal=True), W1.with_(backward=True), W1.with_(causal=True, backward=True),
         W2, W2.with_(backward=True),
         W3, W3.with_(backward=True),
         W4,
         W5, W5.with_(backward=True),
+        # issue 22: what a CPU server runs in bf16: one long sequence beside short ones, and decode
+        W3.with_(dtype=torch.bfloat16), W4.with_(dtype=torch.bfloat16),
     ]
     return rows
 

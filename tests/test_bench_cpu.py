@@ -45,11 +45,15 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
     assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32)", out, re.M), out[:2000]
     for dtype in ("float32", "bfloat16"):
         assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
-    assert re.search(r"^\| W4 fwd \| [\d.]+ \| \d+ \| \d+ \(\d+%\) \|", out, re.M), out
+    assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| [\d.]+ \| "
+                     r"\d+ \| \d+ \(\d+%\) \|", out, re.M), out
+    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, fp32 FMA \([\w.-]+\) \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^# W4 bfloat16 fwd: reading its K/V once", out, re.M), out
     assert re.search(r"^# W4 fwd: reading its K/V once \(k.sum\(\) \+ v.sum\(\)\) [\d.]+ ms, ours [\d.]+x that$", out,
                      re.M), out
     assert "| dense SDPA |" in out
-    for target in ("W4 decode <= 2x reading its K/V", "tiny varlen <= 3x one dense SDPA call",
+    for target in ("W4 decode <= 2x reading its K/V", "W4 bf16 decode <= 1.5x reading its K/V (issue 22)",
+                   "tiny varlen <= 3x one dense SDPA call",
                    "tiny sdpa <= 1/20 of NJT SDPA's time", "every row >= 1.0x the fastest contender"):
         assert re.search(rf"^\| {re.escape(target)} \| .+ \| (met|unmet) \|$", out, re.M), (target, out[-2000:])
     assert "W1 fp32 fwd" not in out  # W1 was not run: its target is left out, not guessed
@@ -89,3 +93,22 @@ def test_tile_micro_benchmark_builds_and_measures(tmp_path):
     lib = native.library()
     if lib is not None and native.target_arch() == "native" and lib.js_bf16_tiles() == 2:
         assert all(re.search(r"bf16 AMX tile: \d+ GFLOP/s$", line) for line in lines), out
+
+
+def test_kernel_path_names_what_the_kernel_runs_each_row_on():
+    """Issue 22: each row says which path ran it; bf16 tiles as the kernel itself reports them
+    (js_bf16_tiles), decode rows as direct rows, fp32 on FMAs of the build's vector width."""
+    bench = _bench()
+    from workloads import W1, W3, W4, W5
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no compiled kernel here")
+    tiles = {2: "AMX", 1: "AVX512-BF16"}.get(lib.js_bf16_tiles())
+    fma = f"fp32 FMA ({bench._vector_width()})"
+    assert bench.kernel_path(W1) == fma and bench.kernel_path(W4) == f"direct rows, {fma}"
+    assert bench.kernel_path(W4.with_(dtype=torch.bfloat16)) == f"direct rows, {fma}"
+    assert bench.kernel_path(W5) == (tiles or fma) == bench.kernel_path(W3.with_(dtype=torch.bfloat16))
+    assert bench.kernel_path(W5.with_(backward=True)) == f"{tiles or fma} fwd, {'AMX' if tiles == 'AMX' else fma} bwd"
+    if "avx512f" in native.build_target():
+        assert "AVX-512" in fma

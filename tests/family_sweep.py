@@ -57,7 +57,7 @@ _SIZES = {
     16: ("head_dim", "kv_channels", "d_kv", "attention_head_dim", "attention_head_size", "v_head_dim",
          "qk_head_dim", "index_head_dim", "global_head_dim", "mamba_d_state", "ssm_state_size", "state_size",
          "linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim"),
-    8: ("qk_rope_head_dim", "qk_nope_head_dim"),
+    8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
     4: ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads", "num_heads",
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "linear_num_value_heads",
         "mamba_n_heads", "index_n_heads", "num_global_key_value_heads"),
@@ -88,6 +88,9 @@ def _shrink(defaults: dict) -> dict:
         value = defaults.get(key)
         if isinstance(value, int) and not isinstance(value, bool):  # GQA stays GQA (2 of 4), MHA stays MHA, MQA MQA
             out[key] = out.get(head_key, heads) if heads is not None and value >= heads else min(value, 2)
+    for key in ("head_dim", "qk_head_dim"):  # MLA: the rotary slice's size, kept equal when it was
+        if key in out and "qk_rope_head_dim" in out and defaults[key] == defaults["qk_rope_head_dim"]:
+            out[key] = out["qk_rope_head_dim"]
     out.update({k: v for k, v in _FILL_NONE.items() if k in defaults and defaults[k] is None})
     old_layers = next((defaults[k] for k in _LAYER_KEYS if isinstance(defaults.get(k), int)), None)
     per_layer = {k: v for k, v in defaults.items()  # lists, and strings named *pattern (nemotron_h's "M-M*-")
@@ -258,7 +261,10 @@ def check_class(cls, family: str, name: str) -> dict:
     try:
         eager = build(cfg, "eager")
     except Exception as error:  # noqa: BLE001 - a causal-LM class of a multimodal type takes the text config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        try:
+            text = cfg.get_text_config()
+        except Exception:  # noqa: BLE001 - several text configs (musicgen): the decoder's
+            text = getattr(cfg, "decoder", cfg)
         if text is cfg:
             raise _Stage("build", "model", error) from error
         cfg = text

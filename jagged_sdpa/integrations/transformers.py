@@ -188,12 +188,27 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
 
     Model code that uses the mask itself (``_model_reads_mask``) gets what eager would get instead, with
     the same unpadding data attached, so that the calls that do reach jagged attention still unpad."""
+    _refuse_compressed_layers(kwargs.get("config"))
     mask = _compact_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask, use_vmap, device, **kwargs)
     if not _model_reads_mask(kwargs.get("config"), mask_function, kwargs):
         return mask
     return _with_eager_layout(mask, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                               attention_mask, use_vmap, device, **kwargs)
+
+
+def _refuse_compressed_layers(config) -> None:
+    """Layers that append compressed KV entries (``config.compress_rates``, DeepSeek-V4's CSA/HCA) extend the
+    keys inside the layer, after the mask is built, with a bias of their own for the new slots (or none,
+    without padding): jagged attention would see keys it has no pattern for. Refused at the first call."""
+    rates = getattr(config, "compress_rates", None) if config is not None else None
+    compressed = sorted(set(rates or ()) & set(getattr(config, "layer_types", None) or ()))
+    if compressed:
+        raise ValueError(
+            f"config.compress_rates: this model's {', '.join(compressed)} layers append compressed key/value "
+            "entries with their own mask inside the layer, which jagged attention cannot express; use "
+            "attn_implementation='eager' or 'sdpa' for this model"
+        )
 
 
 def _model_reads_mask(config, mask_function, kwargs) -> bool:
@@ -298,11 +313,12 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
     Q, K = int(q_length), int(kv_length)
     causal = _mask_pattern(mask_function)
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
-    # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
-    # masks even a mask without padding is returned, as a marker that carries the pattern
-    # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
-    # to its scores, keep getting None without padding)
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False))
+    # decoder self-attention says is_causal=False and relies on a causal mask, in the encoder-decoder and
+    # as BigBirdPegasusForCausalLM): for their causal masks even a mask without padding is returned, as a
+    # marker that carries the pattern (is_encoder_decoder or is_decoder configs only; other decoder-only
+    # models keep getting None without padding: the padding-free path stays mask-free for torch.compile.
+    # Families whose own code adds the mask to its scores get eager's mask instead: _model_reads_mask)
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False))
 
     def no_padding():
         return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
@@ -534,10 +550,11 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
         return _unpad_from_validity(valid[:, -Q:], valid[:, -K:])
     if mask.ndim == 4 and mask.shape[0] == B and mask.shape[-2:] == (Q, K):
         raise ValueError(
-            f"attention_mask: this model computed its own {mask.dtype} attention mask of shape {tuple(mask.shape)} "
-            "(e.g. a sparse-attention indexer's selection, a learned per-head or dynamic mask, a bias added to "
-            "the mask); jagged attention supports causal, sliding-window and padding masks only -- use "
-            "attn_implementation='eager' or 'sdpa' for this model"
+            f"attention_mask: jagged attention got a {mask.dtype} mask of shape {tuple(mask.shape)} that its mask "
+            "function did not build: a 4-D mask passed in, or one this model's code computed itself (a "
+            "sparse-attention indexer's selection, a learned per-head or dynamic mask, a bias added to the mask). "
+            "Jagged attention supports causal, sliding-window and padding masks only: pass the 2-D padding mask, "
+            "or use attn_implementation='eager' or 'sdpa' for this model"
         )
     raise ValueError(
         f"attention_mask: jagged attention got a {mask.dtype} mask of shape {tuple(mask.shape)}, not one "

@@ -88,6 +88,10 @@ def _shrink(defaults: dict) -> dict:
         value = defaults.get(key)
         if isinstance(value, int) and not isinstance(value, bool):  # GQA stays GQA (2 of 4), MHA stays MHA, MQA MQA
             out[key] = out.get(head_key, heads) if heads is not None and value >= heads else min(value, 2)
+    if isinstance(defaults.get("attn_layer_period"), int):  # Jamba: one attention layer in the first two
+        out.update(attn_layer_period=2, attn_layer_offset=1)
+    if "attn_layer_indices" in defaults:  # Bamba: attention at layer 1
+        out["attn_layer_indices"] = [1]
     for key in ("head_dim", "qk_head_dim"):  # MLA: the rotary slice's size, kept equal when it was
         if key in out and "qk_rope_head_dim" in out and defaults[key] == defaults["qk_rope_head_dim"]:
             out[key] = out["qk_rope_head_dim"]
@@ -96,7 +100,10 @@ def _shrink(defaults: dict) -> dict:
     per_layer = {k: v for k, v in defaults.items()  # lists, and strings named *pattern (nemotron_h's "M-M*-")
                  if old_layers and old_layers > 1 and (isinstance(v, list) or (isinstance(v, str) and k.endswith("pattern")))
                  and len(v) == old_layers}
-    kinds = max([len(dict.fromkeys(v)) for v in per_layer.values()] + [2])
+    # a cycled pattern shorter than the model (recurrent_gemma's block_types) is kept whole when it has attention
+    cycled = [len(v) for k, v in defaults.items() if isinstance(v, list) and old_layers and 2 < len(v) < old_layers
+              and all(isinstance(x, str) for x in v) and any("attention" in x for x in v)]
+    kinds = max([len(dict.fromkeys(v)) for v in per_layer.values()] + cycled + [2])
     layers = min(kinds, 4)
     for key in _LAYER_KEYS:
         if isinstance(defaults.get(key), int) and defaults[key] > layers:
@@ -160,6 +167,7 @@ def all_families() -> list:
 
 
 # ------------------------------------------------------------------------------------ one family
+_CALLS = [0]  # jagged attention calls in this process
 class _Stage(Exception):
     """An exception tagged with the side ("eager"/"jagged"/"build") and the step it came from."""
 
@@ -273,6 +281,7 @@ def check_class(cls, family: str, name: str) -> dict:
     jagged = _step("jagged", "load", build, cfg, name)
     jagged.load_state_dict(eager.state_dict())
     result = {"class": cls.__name__, "params": params, "error": 0.0, "checks": []}
+    calls_before = _CALLS[0]
     for side in ("full", "left", "right"):
         inputs, rows, pad = _inputs(eager, side)
         ref = _step("eager", f"forward {side}", _forward, eager, inputs)
@@ -287,6 +296,7 @@ def check_class(cls, family: str, name: str) -> dict:
         if not err <= TOL:
             result["wrong"] = f"logits {side}: relative error {err:.2e} > {TOL:g}"
             return result
+    result["attention_calls"] = _CALLS[0] - calls_before  # 0: no attention layer, or the family's own attention code
     if eager.can_generate():
         inputs, _, pad = _inputs(eager, "left")
         try:
@@ -313,6 +323,15 @@ def run_family(family: str) -> dict:
     from jagged_sdpa.integrations import transformers as jt
 
     name = jt.register()
+    if not getattr(jt.varlen_attention, "_sweep_counted", False):  # count the jagged attention calls (this process)
+        original = jt.varlen_attention
+
+        def counted(*args, **kwargs):
+            _CALLS[0] += 1
+            return original(*args, **kwargs)
+
+        counted._sweep_counted = True
+        jt.varlen_attention = counted
     record = {"family": family, "status": None, "detail": "", "classes": []}
     try:
         classes = model_classes(family)
@@ -423,6 +442,11 @@ def summary(records) -> str:
     for c in CLASSES:
         if counts[c]:
             lines.append(f"{c} ({len(counts[c])}): {', '.join(counts[c])}")
+    silent = [r["family"] for r in records if r["status"] == "pass"
+              and not any(c.get("attention_calls") for c in r.get("classes", ()))]
+    if silent:
+        lines.append(f"passing without any jagged attention call (no attention layer in the tiny model, or the "
+                     f"family's own attention code) ({len(silent)}): {', '.join(silent)}")
     return "\n".join(lines)
 
 

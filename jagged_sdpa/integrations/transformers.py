@@ -23,6 +23,13 @@ bidirectional) from the mask function; bidirectional masks (encoder self-attenti
 mask keys only and keep every query row, as eager does, and a known pattern overrides the module's
 ``is_causal`` (eager applies the mask whatever the module declares).
 
+Model code that uses the mask itself (``_model_reads_mask``: a caller that asks transformers for a
+materialized mask to overlay, e.g. sparse-attention indexers; NLLB-MoE's padding-aware router; families
+whose modeling code never calls a registered attention function, e.g. Bloom, MPT, XGLM) gets transformers'
+own eager mask instead, carrying the same unpadding data. What jagged attention cannot honour is refused
+with a ValueError at the first call: an indexer's top-k ``indices``, compressed-KV layers
+(``config.compress_rates``), a 4-D mask the model computed or edited itself.
+
 Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
 ``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
 
@@ -220,6 +227,8 @@ def _model_reads_mask(config, mask_function, kwargs) -> bool:
       Falcon its ALiBi, Doge its dynamic mask), unless transformers set it itself for packed sequences
       (the packed path reads position_ids); the static-cache decode step that transformers also
       materializes is a (B, 1, 1, K) mask, as small as ours;
+    - the config says the model's router reads the padding from the mask (NLLB-MoE's
+      ``router_ignore_padding_tokens=False``: it reads the last query row of eager's mask);
     - the family's modeling module does not use transformers' attention-function registry
       (``_family_computes_attention``): its own attention code adds the mask to its scores as eager's.
     """
@@ -227,7 +236,9 @@ def _model_reads_mask(config, mask_function, kwargs) -> bool:
     skip = kwargs.get("allow_is_bidirectional_skip" if pattern is False else "allow_is_causal_skip", True)
     if skip is False and not _is_packed(mask_function):
         return True
-    return config is not None and _family_computes_attention(config)
+    if config is None:
+        return False
+    return getattr(config, "router_ignore_padding_tokens", None) is False or _family_computes_attention(config)
 
 
 _computes_attention: dict = {}  # config class -> bool
@@ -369,14 +380,6 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
         mask.masked_fill_(~key_valid.view(batch_size, 1, 1, K), torch.finfo(dtype).min)
         setattr(mask, _UNPAD_ATTR, info)
         return mask
-    if getattr(config, "router_ignore_padding_tokens", None) is False:
-        # NLLB-MoE's router reads padding from the attention mask's layout itself
-        raise ValueError(
-            "config.router_ignore_padding_tokens: this model's router reads the padding from the attention "
-            "mask itself, which jagged attention does not build for a padded decoder; set "
-            "router_ignore_padding_tokens=True, pass a decoder batch without padding, or use "
-            "attn_implementation='eager'"
-        )
     mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, _UNPAD_ATTR, info)
     return mask

@@ -281,7 +281,8 @@ def _with_eager_layout(compact, batch_size, q_length, kv_length, q_offset, kv_of
     info = getattr(compact, _UNPAD_ATTR, None) if compact is not None else None
     setattr(mask, _UNPAD_ATTR, info if info is not None else _marker_info(int(q_length), int(kv_length),
                                                                           _mask_pattern(mask_function)))
-    setattr(mask, _EAGER_VERSION_ATTR, mask._version)  # a model that edits it in place is refused (_unpad_info)
+    if not torch.compiler.is_compiling():  # a model that edits it in place is refused (_unpad_info)
+        setattr(mask, _EAGER_VERSION_ATTR, mask._version)
     return mask
 
 
@@ -539,7 +540,8 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
         return info  # compact, or keys-only (bidirectional)
     if info is not None and mask.shape == (B, 1, Q, K):  # eager's layout, for model code that reads it
-        if getattr(mask, _EAGER_VERSION_ATTR, mask._version) != mask._version:
+        version = getattr(mask, _EAGER_VERSION_ATTR, None)
+        if version is not None and version != mask._version:
             raise ValueError(
                 "attention_mask: this model modified its attention mask in place (e.g. added a bias or a "
                 "selection to it), which jagged attention cannot apply; use attn_implementation='eager' or 'sdpa'"

@@ -61,13 +61,14 @@ _SIZES = {
     4: ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads", "num_heads",
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "linear_num_value_heads",
         "mamba_n_heads", "index_n_heads", "num_global_key_value_heads"),
-    2: ("num_experts_per_tok",
+    2: ("num_experts_per_tok", "moe_k",
         "moe_topk", "top_k", "num_experts_per_token", "linear_num_key_heads", "index_topk", "mamba_n_groups",
         "n_groups"),
-    1: ("n_group", "topk_group", "n_shared_experts", "num_shared_experts"),
+    1: ("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_expert_group"),
 }
-# sizes that some configs leave None by default yet need to build (Qwen4-Exp's QSA indexer)
-_FILL_NONE = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+# sizes that some configs leave None by default yet need to build (Qwen4-Exp's QSA indexer, DeepSeek-V2's MoE,
+# Ministral's head_dim, Nemotron's kv heads): head_dim 16 = hidden 64 / 4 heads
+_FILL_NONE = {"num_experts_per_tok": 2, "head_dim": 16, "num_key_value_heads": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
               "indexer_compress_ratio": 2}
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers")

@@ -41,6 +41,7 @@ names with "flash".
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -224,7 +225,7 @@ def _model_reads_mask(config, mask_function, kwargs) -> bool:
     - the caller asked for a materialized mask (``allow_is_causal_skip=False``, or
       ``allow_is_bidirectional_skip=False`` for a bidirectional one): transformers' documented way of
       saying the mask is overlaid or concatenated (sparse-attention indexers add it to their scores,
-      Falcon its ALiBi, Doge its dynamic mask), unless transformers set it itself for packed sequences
+      Doge its dynamic mask), unless transformers set it itself for packed sequences
       (the packed path reads position_ids); the static-cache decode step that transformers also
       materializes is a (B, 1, 1, K) mask, as small as ours;
     - the config says the model's router reads the padding from the mask (NLLB-MoE's
@@ -252,8 +253,6 @@ def _family_computes_attention(config) -> bool:
     cls = type(config)
     known = _computes_attention.get(cls)
     if known is None:
-        import sys
-
         module = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
         known = module is not None and cls.__module__ != module.__name__ \
             and not hasattr(module, "ALL_ATTENTION_FUNCTIONS")

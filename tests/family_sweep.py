@@ -69,7 +69,8 @@ _SIZES = {
 }
 # sizes that some configs leave None by default yet need to build (Qwen4-Exp's QSA indexer, DeepSeek-V2's MoE,
 # Ministral's head_dim, Nemotron's kv heads): head_dim 16 = hidden 64 / 4 heads
-_FILL_NONE = {"num_experts_per_tok": 2, "head_dim": 16, "num_key_value_heads": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+_FILL_NONE = {"num_experts_per_tok": 2, "head_dim": 16, "num_key_value_heads": 2, "indexer_n_heads": 2,
+              "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
               "indexer_compress_ratio": 2}
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                "num_decoder_layers", "num_encoder_layers")
@@ -84,7 +85,8 @@ def _shrink(defaults: dict) -> dict:
         for key in keys:
             if isinstance(defaults.get(key), int) and not isinstance(defaults.get(key), bool) and defaults[key] > size:
                 out[key] = size
-    head_key = next((k for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(defaults.get(k), int)), None)
+    head_key = next((k for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(defaults.get(k), int)),
+                    None)
     heads = defaults[head_key] if head_key else None
     for key in ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"):
         value = defaults.get(key)
@@ -100,7 +102,8 @@ def _shrink(defaults: dict) -> dict:
     out.update({k: v for k, v in _FILL_NONE.items() if k in defaults and defaults[k] is None})
     old_layers = next((defaults[k] for k in _LAYER_KEYS if isinstance(defaults.get(k), int)), None)
     per_layer = {k: v for k, v in defaults.items()  # lists, and strings named *pattern (nemotron_h's "M-M*-")
-                 if old_layers and old_layers > 1 and (isinstance(v, list) or (isinstance(v, str) and k.endswith("pattern")))
+                 if old_layers and old_layers > 1
+                 and (isinstance(v, list) or (isinstance(v, str) and k.endswith("pattern")))
                  and len(v) == old_layers}
     # a cycled pattern shorter than the model (recurrent_gemma's block_types) is kept whole when it has attention
     cycled = [len(v) for k, v in defaults.items() if isinstance(v, list) and old_layers and 2 < len(v) < old_layers
@@ -153,7 +156,8 @@ def model_classes(family: str) -> list:
     from transformers.models.auto import modeling_auto
 
     names = []
-    for mapping in (modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for mapping in (modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         name = mapping.get(family)
         if isinstance(name, (tuple, list)):
             name = name[0]
@@ -165,7 +169,8 @@ def model_classes(family: str) -> list:
 def all_families() -> list:
     from transformers.models.auto import modeling_auto
 
-    return sorted(set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES))
+    return sorted(set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+                  | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES))
 
 
 # ------------------------------------------------------------------------------------ one family

@@ -329,7 +329,8 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
     # marker that carries the pattern (is_encoder_decoder or is_decoder configs only; other decoder-only
     # models keep getting None without padding: the padding-free path stays mask-free for torch.compile.
     # Families whose own code adds the mask to its scores get eager's mask instead: _model_reads_mask)
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False))
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False)
+                                    or getattr(config, "is_decoder", False))
 
     def no_padding():
         return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None

@@ -172,20 +172,21 @@ def test_encoder_decoder_greedy_generate_equals_eager(pairs, case, side):
 
 
 def test_router_that_reads_the_mask(pairs):
-    """NLLB-MoE's router reads padding from the mask itself (its last row): the encoder's keys-only
-    additive mask gives it eager's answer (the CI cases above run it with encoder padding); a padded
-    decoder's compact mask would not, and is refused, never silently different."""
+    """NLLB-MoE's router reads padding from the mask itself (the last query row of eager's mask) when
+    router_ignore_padding_tokens is False (its default): the model then gets eager's masks, carrying the
+    unpadding data, so a padded decoder's real rows equal eager's (issue 20 item 4; it was refused)."""
     eager, jagged = pairs("nllb-moe")
+    assert eager.config.router_ignore_padding_tokens is False
     ids, mask = encoder_batch("left")
     dec = torch.randint(3, V, (3, 4))
     dec_mask = torch.ones_like(dec)
     dec_mask[0, 2:] = 0
-    with pytest.raises(ValueError, match="router_ignore_padding_tokens"):
-        jagged(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
-    with torch.no_grad():
-        ref = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
-        got = jagged(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for decoder_mask in (dec_mask, None):
+        with torch.no_grad():
+            ref = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=decoder_mask)
+            got = jagged(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=decoder_mask)
+        rows = (decoder_mask if decoder_mask is not None else dec_mask.new_ones(dec_mask.shape)).bool()
+        torch.testing.assert_close(got.logits[rows], ref.logits[rows], rtol=1e-4, atol=1e-4)
 
 
 def test_bart_model_decoder_padding_and_gradients(pairs):

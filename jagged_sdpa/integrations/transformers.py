@@ -23,6 +23,13 @@ bidirectional) from the mask function; bidirectional masks (encoder self-attenti
 mask keys only and keep every query row, as eager does, and a known pattern overrides the module's
 ``is_causal`` (eager applies the mask whatever the module declares).
 
+Model code that uses the mask itself (``_model_reads_mask``: a caller that asks transformers for a
+materialized mask to overlay, e.g. sparse-attention indexers; NLLB-MoE's padding-aware router; families
+whose modeling code never calls a registered attention function, e.g. Bloom, MPT, XGLM) gets transformers'
+own eager mask instead, carrying the same unpadding data. What jagged attention cannot honour is refused
+with a ValueError at the first call: an indexer's top-k ``indices``, compressed-KV layers
+(``config.compress_rates``), a 4-D mask the model computed or edited itself.
+
 Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
 ``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
 
@@ -34,6 +41,7 @@ names with "flash".
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -57,6 +65,7 @@ __all__ = ["register", "jagged_attention_forward", "jagged_attention_mask", "DEF
 DEFAULT_NAME = "jagged"
 _logger = logging.getLogger("jagged_sdpa")
 _UNPAD_ATTR = "_jagged_sdpa_unpad"
+_EAGER_VERSION_ATTR = "_jagged_sdpa_version"  # eager-layout masks: their version when handed to the model
 _BUILTIN_NAMES = ("eager", "sdpa", "flex_attention", "paged|eager")
 _warned_output_attentions = [False]
 
@@ -125,20 +134,16 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
     )
 
 
-def _mask_pattern(mask_function) -> bool | None:
-    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
-    one (encoder self-attention, cross-attention), None if neither or both are found. Reads the
-    closures of ``and_masks``/``sliding_window_*``/packed wrappers; evaluates nothing."""
-    found, stack, seen = set(), [mask_function], set()
+def _mask_functions(mask_function):
+    """``mask_function`` and every function in its closures (``and_masks``/``sliding_window_*``/packed
+    wrappers), each once; nothing is evaluated."""
+    stack, seen = [mask_function], set()
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
             continue
         seen.add(id(fn))
-        if fn is causal_mask_function:
-            found.add(True)
-        elif fn is bidirectional_mask_function:
-            found.add(False)
+        yield fn
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
@@ -148,7 +153,24 @@ def _mask_pattern(mask_function) -> bool | None:
                 stack.extend(v for v in value if callable(v))
             elif callable(value):
                 stack.append(value)
+
+
+def _mask_pattern(mask_function) -> bool | None:
+    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
+    one (encoder self-attention, cross-attention), None if neither or both are found."""
+    found = set()
+    for fn in _mask_functions(mask_function):
+        if fn is causal_mask_function:
+            found.add(True)
+        elif fn is bidirectional_mask_function:
+            found.add(False)
     return found.pop() if len(found) == 1 else None
+
+
+def _is_packed(mask_function) -> bool:
+    """Whether transformers wrapped ``mask_function`` for packed sequences (``position_ids`` restarting)."""
+    return any(getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function")
+               for fn in _mask_functions(mask_function))
 
 
 def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, device, dtype) -> torch.Tensor:
@@ -158,13 +180,113 @@ def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, dev
     dtype: model code that reads a mask itself (NLLB-MoE's router) sees "nothing masked"."""
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     mask = torch.zeros(batch_size, 1, 1, Q + K, dtype=dtype, device=device if device is not None else "cpu")
-    empty = torch.empty(0, dtype=torch.int64)
-    setattr(mask, _UNPAD_ATTR, _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False))
+    setattr(mask, _UNPAD_ATTR, _marker_info(Q, K, causal))
     return mask
+
+
+def _marker_info(Q: int, K: int, causal: bool | None) -> _Unpad:
+    """Unpadding data of a mask without padding: only the pattern (see ``_Unpad.causal``)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False)
 
 
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                           attention_mask=None, use_vmap=False, device=None, **kwargs):
+    """transformers' mask hook for the "jagged" attention (see ``_compact_attention_mask``).
+
+    Model code that uses the mask itself (``_model_reads_mask``) gets what eager would get instead, with
+    the same unpadding data attached, so that the calls that do reach jagged attention still unpad."""
+    _refuse_compressed_layers(kwargs.get("config"))
+    mask = _compact_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                   attention_mask, use_vmap, device, **kwargs)
+    if not _model_reads_mask(kwargs.get("config"), mask_function, kwargs):
+        return mask
+    return _with_eager_layout(mask, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                              attention_mask, use_vmap, device, **kwargs)
+
+
+def _refuse_compressed_layers(config) -> None:
+    """Layers that append compressed KV entries (``config.compress_rates``, DeepSeek-V4's CSA/HCA) extend the
+    keys inside the layer, after the mask is built, with a bias of their own for the new slots (or none,
+    without padding): jagged attention would see keys it has no pattern for. Refused at the first call."""
+    rates = getattr(config, "compress_rates", None) if config is not None else None
+    compressed = sorted(set(rates or ()) & set(getattr(config, "layer_types", None) or ()))
+    if compressed:
+        raise ValueError(
+            f"config.compress_rates: this model's {', '.join(compressed)} layers append compressed key/value "
+            "entries with their own mask inside the layer, which jagged attention cannot express; use "
+            "attn_implementation='eager' or 'sdpa' for this model"
+        )
+
+
+def _model_reads_mask(config, mask_function, kwargs) -> bool:
+    """Whether the model's own code uses the mask, not only hands it to the attention function:
+
+    - the caller asked for a materialized mask (``allow_is_causal_skip=False``, or
+      ``allow_is_bidirectional_skip=False`` for a bidirectional one): transformers' documented way of
+      saying the mask is overlaid or concatenated (sparse-attention indexers add it to their scores,
+      Doge its dynamic mask), unless transformers set it itself for packed sequences
+      (the packed path reads position_ids); the static-cache decode step that transformers also
+      materializes is a (B, 1, 1, K) mask, as small as ours;
+    - the config says the model's router reads the padding from the mask (NLLB-MoE's
+      ``router_ignore_padding_tokens=False``: it reads the last query row of eager's mask);
+    - the family's modeling module does not use transformers' attention-function registry
+      (``_family_computes_attention``): its own attention code adds the mask to its scores as eager's.
+    """
+    pattern = _mask_pattern(mask_function)
+    skip = kwargs.get("allow_is_bidirectional_skip" if pattern is False else "allow_is_causal_skip", True)
+    if skip is False and not _is_packed(mask_function):
+        return True
+    if config is None:
+        return False
+    return getattr(config, "router_ignore_padding_tokens", None) is False or _family_computes_attention(config)
+
+
+_computes_attention: dict = {}  # config class -> bool
+
+
+def _family_computes_attention(config) -> bool:
+    """True if the config's modeling module (loaded, next to its configuration module) never reads
+    transformers' attention-function registry ``ALL_ATTENTION_FUNCTIONS``: the family computes attention
+    in its own (eager) code and never calls the jagged attention function (Bloom, MPT, CodeGen, BigBird,
+    XGLM, LED, ...). Such a model runs its own attention whatever the name; it is told once."""
+    cls = type(config)
+    known = _computes_attention.get(cls)
+    if known is None:
+        module = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
+        known = module is not None and cls.__module__ != module.__name__ \
+            and not hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+        _computes_attention[cls] = known
+        if known:
+            _logger.warning(
+                "%s computes attention in its own code and does not call registered attention functions: with "
+                "attn_implementation='jagged' it gets eager's attention mask and runs its own eager attention",
+                getattr(config, "model_type", cls.__name__))
+    return known
+
+
+def _with_eager_layout(compact, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                       use_vmap, device, **kwargs):
+    """transformers' own eager mask for these arguments, carrying the unpadding data of ``compact`` (the
+    pattern alone when there is no padding), so jagged attention reads it as it reads the compact mask."""
+    from transformers.masking_utils import eager_mask
+
+    mask = eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                      attention_mask=attention_mask, use_vmap=use_vmap,
+                      device=device if device is not None else "cpu", **kwargs)
+    if mask is None:
+        return None
+    info = getattr(compact, _UNPAD_ATTR, None) if compact is not None else None
+    setattr(mask, _UNPAD_ATTR, info if info is not None else _marker_info(int(q_length), int(kv_length),
+                                                                          _mask_pattern(mask_function)))
+    if not torch.compiler.is_compiling():  # a model that edits it in place is refused (_unpad_info)
+        setattr(mask, _EAGER_VERSION_ATTR, mask._version)
+    return mask
+
+
+def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                            attention_mask=None, use_vmap=False, device=None, **kwargs):
     """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
 
     Called by ``create_causal_mask`` / ``create_sliding_window_causal_mask`` once per forward with
@@ -202,11 +324,13 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     Q, K = int(q_length), int(kv_length)
     causal = _mask_pattern(mask_function)
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
-    # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
-    # masks even a mask without padding is returned, as a marker that carries the pattern
-    # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
-    # to its scores, keep getting None without padding)
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False))
+    # decoder self-attention says is_causal=False and relies on a causal mask, in the encoder-decoder and
+    # as BigBirdPegasusForCausalLM): for their causal masks even a mask without padding is returned, as a
+    # marker that carries the pattern (is_encoder_decoder or is_decoder configs only; other decoder-only
+    # models keep getting None without padding: the padding-free path stays mask-free for torch.compile.
+    # Families whose own code adds the mask to its scores get eager's mask instead: _model_reads_mask)
+    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False)
+                                    or getattr(config, "is_decoder", False))
 
     def no_padding():
         return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
@@ -257,14 +381,6 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         mask.masked_fill_(~key_valid.view(batch_size, 1, 1, K), torch.finfo(dtype).min)
         setattr(mask, _UNPAD_ATTR, info)
         return mask
-    if getattr(config, "router_ignore_padding_tokens", None) is False:
-        # NLLB-MoE's router reads padding from the attention mask's layout itself
-        raise ValueError(
-            "config.router_ignore_padding_tokens: this model's router reads the padding from the attention "
-            "mask itself, which jagged attention does not build for a padded decoder; set "
-            "router_ignore_padding_tokens=True, pass a decoder batch without padding, or use "
-            "attn_implementation='eager'"
-        )
     mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, _UNPAD_ATTR, info)
     return mask
@@ -319,6 +435,13 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     """
     if kwargs.get("position_bias") is not None:
         raise ValueError("position_bias: not supported by jagged attention (use attn_implementation='eager')")
+    if kwargs.get("indices") is not None:
+        # DeepSeek sparse attention and its descendants hand non-eager/sdpa attentions the indexer's selection
+        raise ValueError(
+            "indices: this model's sparse-attention indexer selects the top-k keys of each query, which jagged "
+            "attention cannot restrict itself to (it attends to every key its mask allows); use "
+            "attn_implementation='eager' or 'sdpa' for this model"
+        )
     if kwargs.get("cache") is not None:
         raise ValueError(
             "cache: a paged (continuous batching) cache reached the 'jagged' attention; transformers' continuous "
@@ -415,6 +538,14 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
         raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
     info = getattr(mask, _UNPAD_ATTR, None)
     if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
+        return info  # compact, or keys-only (bidirectional)
+    if info is not None and mask.shape == (B, 1, Q, K):  # eager's layout, for model code that reads it
+        version = getattr(mask, _EAGER_VERSION_ATTR, None)
+        if version is not None and version != mask._version:
+            raise ValueError(
+                "attention_mask: this model modified its attention mask in place (e.g. added a bias or a "
+                "selection to it), which jagged attention cannot apply; use attn_implementation='eager' or 'sdpa'"
+            )
         return info
     if mask.dtype == torch.bool and mask.shape == (B, 1, 1, Q + K):
         flat = mask.view(B, Q + K)
@@ -422,6 +553,14 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if mask.ndim == 2 and mask.shape[0] == B and mask.shape[1] >= K >= Q:
         valid = mask.to(torch.bool)
         return _unpad_from_validity(valid[:, -Q:], valid[:, -K:])
+    if mask.ndim == 4 and mask.shape[0] == B and mask.shape[-2:] == (Q, K):
+        raise ValueError(
+            f"attention_mask: jagged attention got a {mask.dtype} mask of shape {tuple(mask.shape)} that its mask "
+            "function did not build: a 4-D mask passed in, or one this model's code computed itself (a "
+            "sparse-attention indexer's selection, a learned per-head or dynamic mask, a bias added to the mask). "
+            "Jagged attention supports causal, sliding-window and padding masks only: pass the 2-D padding mask, "
+            "or use attn_implementation='eager' or 'sdpa' for this model"
+        )
     raise ValueError(
         f"attention_mask: jagged attention got a {mask.dtype} mask of shape {tuple(mask.shape)}, not one "
         f"built by its mask function (bool (B, 1, 1, Q + K) = ({B}, 1, 1, {Q + K})) nor a 2-D padding mask. "

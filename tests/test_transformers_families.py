@@ -42,6 +42,18 @@ def test_family_with_its_own_attention_code_equals_eager(family):
     assert result["checks"] == ["logits full", "logits left", "logits right", "generate"]
 
 
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo", "gptj", "git"])
+def test_family_with_its_own_attention_table_builds_and_equals_eager(family):
+    # FALCON_ATTENTION_CLASSES[config._attn_implementation] and alike: a KeyError at construction for any
+    # registered name before; now the table adopts the name with the family's eager module (told once)
+    result = _check(family)
+    assert "wrong" not in result, result["wrong"]
+    assert result["checks"] == ["logits full", "logits left", "logits right", "generate"]
+    module = sys.modules[sweep.model_classes(family)[-1].__module__]
+    tables = [t for name, t in vars(module).items() if name.endswith("ATTENTION_CLASSES") and isinstance(t, dict)]
+    assert tables and all(t[jt.DEFAULT_NAME] is t["eager"] for t in tables)
+
+
 def test_bigbird_pegasus_decoder_alone_keeps_its_causal_pattern_without_padding():
     # BigBirdPegasusForCausalLM: is_decoder, self-attention declares is_causal=False, eager's mask is causal
     result = _check("bigbird_pegasus")

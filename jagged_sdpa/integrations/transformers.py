@@ -197,6 +197,11 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     Model code that uses the mask itself (``_model_reads_mask``) gets what eager would get instead, with
     the same unpadding data attached, so that the calls that do reach jagged attention still unpad."""
     _refuse_compressed_layers(kwargs.get("config"))
+    if kwargs.get("config") is not None and _family_computes_attention(kwargs["config"]):
+        # only the family's own attention code reads it: eager's mask as eager gets it (overlays
+        # included); a jagged attention call, should one come, refuses a mask without unpadding data
+        return _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                           use_vmap, device, **kwargs)
     mask = _compact_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask, use_vmap, device, **kwargs)
     if not _model_reads_mask(kwargs.get("config"), mask_function, kwargs):
@@ -265,16 +270,57 @@ def _family_computes_attention(config) -> bool:
     return known
 
 
+def _adopt_attention_class_tables(model_cls, name: str) -> None:
+    """Families that pick their attention module from a table of their own at construction
+    (``FALCON_ATTENTION_CLASSES[config._attn_implementation]``: Falcon, GPT-Neo, GPT-J, GIT) would
+    fail with a KeyError for any registered name. Such a table's modules compute attention in their
+    own code, so ``name`` gets the family's eager module, and the family is marked as computing its
+    own attention (``_family_computes_attention``: it then gets eager's masks); it is told once."""
+    module = sys.modules.get(model_cls.__module__)
+    tables = [t for attr, t in vars(module).items() if attr.endswith("ATTENTION_CLASSES") and isinstance(t, dict)
+              and "eager" in t and name not in t] if module is not None else []
+    if not tables:
+        return
+    for table in tables:
+        table[name] = table["eager"]
+    config_cls = getattr(model_cls, "config_class", None)
+    if config_cls is not None:
+        _computes_attention[config_cls] = True
+    _logger.warning("%s picks its attention module from its own table (%s): with attn_implementation=%r it runs its "
+                    "own eager attention, with eager's attention mask", model_cls.__name__,
+                    ", ".join(a for a, t in vars(module).items() if any(t is x for x in tables)), name)
+
+
+def _correct_attn_implementation(self, requested_attention=None, is_init_check=False):
+    """transformers' ``PreTrainedModel.get_correct_attn_implementation``, then, for a name registered
+    here, the family's own attention tables adopt it (before any layer is built)."""
+    chosen = _original_correct_attn_implementation[0](self, requested_attention, is_init_check)
+    if chosen in _registered_names:
+        _adopt_attention_class_tables(type(self), chosen)
+    return chosen
+
+
+_registered_names: set = set()
+_original_correct_attn_implementation: list = [None]
+
+
+def _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap, device,
+                **kwargs):
+    """transformers' own eager mask for the hook's arguments."""
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                      attention_mask=attention_mask, use_vmap=use_vmap,
+                      device=device if device is not None else "cpu", **kwargs)
+
+
 def _with_eager_layout(compact, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                        use_vmap, device, **kwargs):
     """transformers' own eager mask for these arguments, carrying the unpadding data of ``compact`` (the
     pattern alone when there is no padding), so jagged attention reads it as it reads the compact mask."""
-    from transformers.masking_utils import eager_mask
-
-    mask = eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
-                      attention_mask=attention_mask, use_vmap=use_vmap,
-                      device=device if device is not None else "cpu", **kwargs)
+    mask = _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap,
+                       device, **kwargs)
     if mask is None:
         return None
     info = getattr(compact, _UNPAD_ATTR, None) if compact is not None else None
@@ -592,6 +638,12 @@ def register(name: str = DEFAULT_NAME) -> str:
         raise ValueError(f"name: {name!r} is already registered in transformers for another attention")
     AttentionInterface.register(name, jagged_attention_forward)
     AttentionMaskInterface.register(name, jagged_attention_mask)
+    _registered_names.add(name)
+    from transformers.modeling_utils import PreTrainedModel
+
+    if _original_correct_attn_implementation[0] is None:  # once: families with attention tables of their own
+        _original_correct_attn_implementation[0] = PreTrainedModel.get_correct_attn_implementation
+        PreTrainedModel.get_correct_attn_implementation = _correct_attn_implementation
     return name
 
 

@@ -8,10 +8,12 @@
 - Through ``varlen_attention``, ``sdpa`` (NJTs, dense key/value), ``plan.run`` (bit for bit equal
   to ``varlen_attention``, forward and backward; ``update`` with new prefix_lens) and
   ``torch.compile(fullgraph=True)`` (0 graph breaks, equal to eager); ``opcheck`` of the operators.
-- ``explain``: every other backend says why not, MATH is chosen; options that change nothing
-  (a chunk covering every key and row, all-zero prefixes) are normalised away.
+- ``explain``: the backends that cannot apply them say why (TRITON can), MATH is chosen on the
+  CPU; options that change nothing (a chunk covering every key and row, all-zero prefixes) are
+  normalised away.
 - Every rejected input: a ValueError/TypeError naming ``sinks``, ``chunk_size`` or ``prefix_lens``
   before any kernel; the device-side form of the prefix_lens check.
+- TRITON (interpreter), the last section: the mixes forward and backward against the reference.
 """
 
 from __future__ import annotations
@@ -377,8 +379,11 @@ def test_explain_names_every_other_backends_reason_and_takes_math():
     assert e.chosen == Backend.MATH and e.reasons[Backend.MATH] == []
     cpu = " ".join(e.reasons[Backend.CPU_FUSED])
     assert "sinks not supported" in cpu and "chunk_size 3 not supported" in cpu and "prefix_lens not supported" in cpu
-    for backend in (Backend.TRITON, Backend.FLASH_VARLEN, Backend.EFFICIENT):
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
         assert e.reasons[backend]
+    # TRITON takes the three options (its tests are the TRITON section below); here only the CPU
+    # without TRITON_INTERPRET=1 may rule it out.
+    assert not any(word in r for r in e.reasons[Backend.TRITON] for word in ("sinks", "chunk_size", "prefix_lens"))
     text = str(e)
     assert "sinks" in text and "chunk_size=3" in text
     with pytest.raises(NoBackendError, match="sinks not supported"):
@@ -848,9 +853,10 @@ def test_triton_key_and_row_ranges_are_the_position_rules(triton_launches):
             spec = base.replace(causal=causal, window=window, chunk_size=chunk, prefix=prefix > 0)
             (left, right, chunk_arg, _), flags = triton_common.mask_args(
                 SimpleNamespace(spec=spec, prefix_lens=None, cu_seqlens_q=None))
-            out = [torch.zeros(n, dtype=torch.int32) for n in (len(pos), len(pos), len(pairs), len(pairs))]
-            probe[(1,)](*(t.to(TRITON_DEVICE) for t in (pos, *out[:2], n0, n1, *out[2:])), len(pos), len(pairs),
-                        len_k, left, right, chunk_arg, prefix, HAS_CHUNK=flags["HAS_CHUNK"],
+            out = [torch.zeros(n, dtype=torch.int32, device=TRITON_DEVICE)
+                   for n in (len(pos), len(pos), len(pairs), len(pairs))]
+            probe[(1,)](pos.to(TRITON_DEVICE), *out[:2], n0.to(TRITON_DEVICE), n1.to(TRITON_DEVICE), *out[2:],
+                        len(pos), len(pairs), len_k, left, right, chunk_arg, prefix, HAS_CHUNK=flags["HAS_CHUNK"],
                         HAS_PREFIX=prefix > 0, BLOCK=64)
             lo, hi, row_lo, row_hi = (t.tolist() for t in out)
             where = (spec.describe(), prefix)
@@ -868,3 +874,20 @@ def test_triton_key_and_row_ranges_are_the_position_rules(triton_launches):
                                                                                            row_hi[i])
                 else:
                     assert clip(row_hi[i]) <= clip(row_lo[i]), (where, a, b, row_lo[i], row_hi[i])
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(TRITON_OK or triton is None, reason="the TRITON cases run in this process")
+def test_triton_section_under_the_interpreter():
+    """torch._dynamo (imported above) imports triton compiled, so when this module runs before any
+    module that imports triton interpreted (test_backend_triton.py, test_dropout.py), its TRITON
+    cases run again in a fresh process that sets TRITON_INTERPRET=1 from the start."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "triton and not under_the_interpreter"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

@@ -6,11 +6,16 @@ reference: the float64 ``tests/reference.py`` differentiated by autograd):
 
 * ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv * GROUP_SPLITS, B). One program
   owns a key block of one kv head and loops over (its share of) the GROUP query heads that share it
-  and over the query blocks its band can see, so dK/dV are reduced across the query group in
+  and over the query blocks whose rows see it, so dK/dV are reduced across the query group in
   registers (and, with GROUP_SPLITS > 1, over float32 partials afterwards): no expanded K/V, no
   atomics, deterministic.
 * ``_attn_bwd_dq``: grid (query blocks, Hq, B). One program owns a query block and loops over the
-  key blocks its band can see.
+  key blocks its rows can see.
+
+The position rules (band, chunk, prefix) and their block bounds are the forward's
+(``_common._visible_keys``; the dK/dV loop uses its inverse ``_visible_rows``). Sinks need nothing
+in the kernels: the forward's lse includes them, so P = exp(S - lse) is already right;
+dsink_h = -sum_i exp(sink_h - lse_i) delta_i is computed from lse and delta afterwards (``sink_grad``).
 
 With dropout Z (keep / (1 - p), the forward's mask recomputed from the call's key):
 dV = (P o Z)^T dO, dP = (dO V^T) o Z, dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.

@@ -7,7 +7,8 @@ Layout: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) or paged (num_blocks, block
 with a block table; every stride is passed, so non-contiguous views (a fused qkv buffer) work.
 Grid: (row blocks of the longest sequence, Hq, B * num_splits). Each program reads its sequence's
 bounds from cu_seqlens (or seqused_k), exits at once past the end, and walks only the key blocks its
-band (causal / window) can see, unmasked where every row of the tile sees the whole block.
+rows can see (causal / window / chunk / prefix ranges, ``_common._visible_keys``), unmasked where
+every row of the tile sees the whole block.
 Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
 heaviest) query blocks first.
 Decode-shaped calls (rules in ``plans.py``): with num_splits > 1 each program takes one slice of
@@ -15,7 +16,7 @@ the keys and writes a float32 partial output and lse that ``plans.merge_splits``
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
-or per batch and head), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``), Dv != D, any
+or per batch and head), sinks, chunk_size and prefix_lens (API.md 11), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``), Dv != D, any
 head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
 Limits: bf16 under the Triton 3.9 interpreter is wrong (tl.dot and fp32->bf16 casts), so CPU
 tests use fp32/fp16; bf16 is tested on CUDA only.

@@ -714,9 +714,11 @@ def test_triton_matches_reference_forward_and_backward(name, shape, triton_launc
 
 @needs_triton
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)],
+                         ids=["float16", "bfloat16"])   # bf16 is wrong under the Triton 3.9 interpreter
 @pytest.mark.parametrize("name", ["everything", "prefix_chunk_noncausal_sinks"])
-def test_triton_float16(name, triton_launches):
-    _triton_vs_reference(MIXES[name], LQ, LK, PREFIX, torch.float16, triton_launches, lowp=True)
+def test_triton_low_precision(name, dtype, triton_launches):
+    _triton_vs_reference(MIXES[name], LQ, LK, PREFIX, dtype, triton_launches, lowp=True)
 
 
 @needs_triton
@@ -887,7 +889,7 @@ def test_triton_section_under_the_interpreter():
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                             "triton and not under_the_interpreter"], env=env, capture_output=True, text=True,
-                            timeout=600)
+                             "triton and not under_the_interpreter", "-m", "not cuda"], env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

@@ -16,8 +16,10 @@ the keys and writes a float32 partial output and lse that ``plans.merge_splits``
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
-or per batch and head), sinks, chunk_size and prefix_lens (API.md 11), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``), Dv != D, any
-head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
+or per batch and head), sinks, chunk_size and prefix_lens (API.md 11; a sink joins each row's
+denominator after the key loop), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``),
+Dv != D, any head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros,
+lse -inf; lse = sink with sinks), seqused_k.
 Limits: bf16 under the Triton 3.9 interpreter is wrong (tl.dot and fp32->bf16 casts), so CPU
 tests use fp32/fp16; bf16 is tested on CUDA only.
 """

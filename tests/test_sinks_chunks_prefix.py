@@ -617,7 +617,8 @@ finally:
     if not _had_interpret:
         os.environ.pop("TRITON_INTERPRET", None)
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = triton is not None and (TRITON_DEVICE == "cuda" or type(triton.language.cdiv).__name__ == "InterpretedFunction")
+TRITON_OK = triton is not None and (TRITON_DEVICE == "cuda"
+                                    or type(triton.language.cdiv).__name__ == "InterpretedFunction")
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="triton missing, or imported compiled before this module")
 
 LQ_LONG = [30, 0, 40]

@@ -365,8 +365,8 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
             BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
             HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
-            HAS_SINKS=spec.sinks, PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, SPLIT_K=num_splits > 1,
-            PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
+            HAS_SINKS=spec.sinks, PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16,
+            SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
         )
     if num_splits > 1:
         return AttnOutput(out, lse)

@@ -811,6 +811,34 @@ def test_triton_plan_runs_take_each_runs_sinks_and_updated_prefixes(triton_launc
         assert_close_lse(lse, ref_lse)
 
 
+@needs_triton
+@pytest.mark.interpret
+def test_triton_sdpa_top_left_with_gqa(triton_launches):
+    """sdpa's top-left alignment (Lq > Lk: rows past the keys; Lq < Lk: keys past the rows) with GQA,
+    a window, chunks and prefixes cut by the tiles, forward and backward with dsinks."""
+    lq, lk = [35, 12], [20, 33]
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (packed(lens, h, D, gen=gen).to(TRITON_DEVICE).requires_grad_()
+               for lens, h in ((lq, HQ), (lk, HKV), (lk, HKV)))
+    sinks = torch.randn(HQ, generator=gen).to(TRITON_DEVICE).requires_grad_()
+    prefix = torch.tensor([18, 5], dtype=torch.int32, device=TRITON_DEVICE)
+    as_njt = lambda x, lens: torch.nested.nested_tensor_from_jagged(
+        x, cu_of(lens).to(torch.int64).to(TRITON_DEVICE)).transpose(1, 2)
+    out = jagged_sdpa.sdpa(as_njt(q, lq), as_njt(k, lk), as_njt(v, lk), is_causal=True, causal_alignment="top_left",
+                           enable_gqa=True, window_size=(24, 0), sinks=sinks, chunk_size=16, prefix_lens=prefix,
+                           backend="triton")
+    got_out = out.transpose(1, 2).values()
+    grad_out = torch.randn(got_out.shape).to(got_out)
+    got = torch.autograd.grad(got_out, [q, k, v, sinks], grad_out)
+    assert [name for name, _ in triton_launches] == ["fwd", "bwd"]
+    ref, _, leaves = _reference(q.cpu(), k.cpu(), v.cpu(), cu_of(lq), cu_of(lk),
+                                dict(causal=True, window_size=(24, 0), sinks=sinks.cpu(), chunk_size=16,
+                                     prefix_lens=prefix.cpu()), alignment="top_left")
+    assert_close_packed(got_out, ref, cu_seqlens=cu_of(lq))
+    _check_grads([g.cpu() for g in got], torch.autograd.grad(ref, leaves, grad_out.cpu().double()), cu_of(lq),
+                 cu_of(lk))
+
+
 @functools.cache
 def _range_probe():
     """A kernel writing ``_visible_keys`` of each position and ``_visible_rows`` of each key range."""

@@ -8,10 +8,12 @@
 - Through ``varlen_attention``, ``sdpa`` (NJTs, dense key/value), ``plan.run`` (bit for bit equal
   to ``varlen_attention``, forward and backward; ``update`` with new prefix_lens) and
   ``torch.compile(fullgraph=True)`` (0 graph breaks, equal to eager); ``opcheck`` of the operators.
-- ``explain``: every other backend says why not, MATH is chosen; options that change nothing
-  (a chunk covering every key and row, all-zero prefixes) are normalised away.
+- ``explain``: the backends that cannot apply them say why (TRITON can), MATH is chosen on the
+  CPU; options that change nothing (a chunk covering every key and row, all-zero prefixes) are
+  normalised away.
 - Every rejected input: a ValueError/TypeError naming ``sinks``, ``chunk_size`` or ``prefix_lens``
   before any kernel; the device-side form of the prefix_lens check.
+- TRITON (interpreter), the last section: the mixes forward and backward against the reference.
 """
 
 from __future__ import annotations
@@ -377,8 +379,11 @@ def test_explain_names_every_other_backends_reason_and_takes_math():
     assert e.chosen == Backend.MATH and e.reasons[Backend.MATH] == []
     cpu = " ".join(e.reasons[Backend.CPU_FUSED])
     assert "sinks not supported" in cpu and "chunk_size 3 not supported" in cpu and "prefix_lens not supported" in cpu
-    for backend in (Backend.TRITON, Backend.FLASH_VARLEN, Backend.EFFICIENT):
+    for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
         assert e.reasons[backend]
+    # TRITON takes the three options (its tests are the TRITON section below); here only the CPU
+    # without TRITON_INTERPRET=1 may rule it out.
+    assert not any(word in r for r in e.reasons[Backend.TRITON] for word in ("sinks", "chunk_size", "prefix_lens"))
     text = str(e)
     assert "sinks" in text and "chunk_size=3" in text
     with pytest.raises(NoBackendError, match="sinks not supported"):
@@ -582,3 +587,338 @@ def test_a_sink_of_minus_infinity_is_no_sink():
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     (grad,) = torch.autograd.grad(out.sum(), [sinks])
     assert torch.equal(grad, torch.zeros(HQ))
+
+
+# ----------------------------------------------------------------------------------------------
+# TRITON (interpreter)
+#
+# The TRITON backend, forced, against the same float64 reference: every mix forward and backward
+# (dq, dk, dv and dsinks; the ALiBi slopes are constants: TRITON does not differentiate them), on
+# the short shapes above and on longer ones whose windows, chunks and prefixes are scaled up so the
+# interpreter's 16 x 16 tiles cut sequences, chunks and prefixes in the middle and some key blocks
+# run unmasked; fp16; split-K decode with GQA packing, paged keys, seqused_k, dropout, the plan
+# path; and the kernels' range helpers against ``positions.visible_keys``. Without a GPU these run
+# on CPU tensors under TRITON_INTERPRET=1, set around triton's import as in test_dropout.py.
+
+import functools  # noqa: E402
+import os  # noqa: E402
+
+_had_interpret = "TRITON_INTERPRET" in os.environ
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton
+    import triton.language as tl
+    from jagged_sdpa.backends.triton import _common as triton_common
+    from jagged_sdpa.backends.triton._common import _visible_keys, _visible_rows
+except ImportError:
+    triton = None
+finally:
+    if not _had_interpret:
+        os.environ.pop("TRITON_INTERPRET", None)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_OK = triton is not None and (TRITON_DEVICE == "cuda"
+                                    or type(triton.language.cdiv).__name__ == "InterpretedFunction")
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="triton missing, or imported compiled before this module")
+
+LQ_LONG = [30, 0, 40]
+LK_LONG = [45, 5, 18]               # Lq > Lk in the last: bottom-right positions down to -22
+PREFIX_LONG = [20, 5, 17]
+SCALE_LONG = 8                      # chunk 2..4 -> 16..32, window sides x 8
+
+
+def _long(mix):
+    """The mix with chunk_size and window sides scaled by SCALE_LONG (unbounded sides stay -1)."""
+    mix = dict(mix)
+    if "chunk_size" in mix:
+        mix["chunk_size"] *= SCALE_LONG
+    if "window_size" in mix:
+        mix["window_size"] = tuple(s * SCALE_LONG if s > 0 else s for s in mix["window_size"])
+    return mix
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """TRITON_INTERPRET=1 on the CPU, and the launches TRITON makes, recorded ([(name, kwargs)])."""
+    if TRITON_DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from jagged_sdpa.backends.triton import bwd, fwd
+
+    seen = []
+
+    def spy(name, launch):
+        def launched(call, *args, **kwargs):
+            seen.append((name, kwargs))
+            return launch(call, *args, **kwargs)
+        return launched
+
+    monkeypatch.setattr(fwd, "launch_fwd", spy("fwd", fwd.launch_fwd))
+    monkeypatch.setattr(bwd, "launch_bwd", spy("bwd", bwd.launch_bwd))
+    return seen
+
+
+def _on(device, *tensors):
+    return [t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _triton_case(mix, lq, lk, prefix, dtype, hq=HQ, hkv=HKV, seed=0):
+    q, k, v, sinks, slopes = _inputs(dtype, lq, lk, hq, hkv, seed=seed)
+    q, k, v, sinks = _on(TRITON_DEVICE, q, k, v, sinks)
+    slopes = slopes.detach().to(TRITON_DEVICE)
+    kw = _kwargs(mix, sinks, slopes, torch.tensor(prefix, dtype=torch.int32, device=TRITON_DEVICE))
+    return q, k, v, kw
+
+
+def _triton_vs_reference(mix, lq, lk, prefix, dtype, launches, lowp=False, hq=HQ, hkv=HKV):
+    q, k, v, kw = _triton_case(mix, lq, lk, prefix, dtype, hq, hkv)
+    cu_q, cu_k = cu_of(lq).to(TRITON_DEVICE), cu_of(lk).to(TRITON_DEVICE)
+    args = (q, k, v, cu_q, cu_k, max(lq), max(lk))
+    out, lse = jagged_sdpa.varlen_attention(*args, return_lse=True, backend="triton", **kw)
+    assert [name for name, _ in launches] == ["fwd"]
+    ref, ref_lse, ref_leaves = _reference(*(x.cpu() for x in (q, k, v)), cu_q.cpu(), cu_k.cpu(),
+                                          {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()})
+    grad_out = torch.randn(out.shape).to(out)
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])   # the reference's leaves start alike
+    got = torch.autograd.grad(out, leaves, grad_out)
+    assert [name for name, _ in launches] == ["fwd", "bwd"]
+    want = torch.autograd.grad(ref, ref_leaves[:len(leaves)], grad_out.cpu().double())
+    lowp_out = lowp_grads = None
+    if lowp:  # MATH in the same dtype: its own error widens the bound (2x out and lse, 3x gradients)
+        lowp_out, _ = jagged_sdpa.varlen_attention(*args, return_lse=True, backend="math", **kw)
+        lowp_grads = torch.autograd.grad(lowp_out, leaves, grad_out)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close_packed(out, ref, cu_seqlens=cu_q, lowp_ref=lowp_out, fudge=2.0)
+    assert_close_lse(lse, ref_lse)
+    names = ["dq", "dk", "dv", "dsinks"]
+    for i, (name, g, r) in enumerate(zip(names, got, want)):
+        assert g.dtype == leaves[i].dtype and g.shape == leaves[i].shape
+        low = None if lowp_grads is None else lowp_grads[i]
+        if g.dim() == 3:
+            assert_close_packed(g, r, cu_seqlens=cu_q if name == "dq" else cu_k, name=name, grad=True,
+                                lowp_ref=low, fudge=3.0)
+        else:
+            assert_close_packed(g.reshape(1, 1, -1), r.reshape(1, 1, -1), cu_seqlens=[0, 1], name=name, grad=True,
+                                lowp_ref=None if low is None else low.reshape(1, 1, -1), fudge=3.0)
+
+
+@needs_triton
+@pytest.mark.interpret
+@pytest.mark.parametrize("shape", ["short", "long"])
+@pytest.mark.parametrize("name", list(MIXES))
+def test_triton_matches_reference_forward_and_backward(name, shape, triton_launches):
+    if shape == "short":
+        _triton_vs_reference(MIXES[name], LQ, LK, PREFIX, torch.float32, triton_launches)
+    else:
+        _triton_vs_reference(_long(MIXES[name]), LQ_LONG, LK_LONG, PREFIX_LONG, torch.float32, triton_launches,
+                             hq=2, hkv=1)
+
+
+@needs_triton
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)],
+                         ids=["float16", "bfloat16"])   # bf16 is wrong under the Triton 3.9 interpreter
+@pytest.mark.parametrize("name", ["everything", "prefix_chunk_noncausal_sinks"])
+def test_triton_low_precision(name, dtype, triton_launches):
+    _triton_vs_reference(MIXES[name], LQ, LK, PREFIX, dtype, triton_launches, lowp=True)
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_split_k_decode_with_gqa_packing_packed_and_paged(triton_launches):
+    """Decode-shaped calls take split-K (the first split carries the sink) and GQA packing; paged keys
+    (forward-only on TRITON) give what the reference gives on the packed keys."""
+    q_lens, k_lens, hq, hkv = [1, 3, 2], [300, 270, 40], 4, 1
+    gen = torch.Generator().manual_seed(7)
+    q = packed(q_lens, hq, D, gen=gen).to(TRITON_DEVICE)
+    k, v = (packed(k_lens, hkv, D, gen=gen).to(TRITON_DEVICE) for _ in range(2))
+    sinks = torch.randn(hq, generator=gen).to(TRITON_DEVICE)
+    prefix = torch.tensor([150, 10, 40], dtype=torch.int32, device=TRITON_DEVICE)
+    kw = dict(causal=True, chunk_size=100, sinks=sinks, prefix_lens=prefix)
+    cu_q, cu_k = cu_of(q_lens).to(TRITON_DEVICE), cu_of(k_lens).to(TRITON_DEVICE)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), return_lse=True,
+                                            backend="triton", **kw)
+    (_, launch), = triton_launches
+    assert launch["num_splits"] > 1 and launch["pack_gqa"]
+    ref, ref_lse, _ = _reference(q.cpu(), k.cpu(), v.cpu(), cu_of(q_lens), cu_of(k_lens),
+                                 dict(kw, sinks=sinks.cpu(), prefix_lens=prefix.cpu()))
+    assert_close_packed(out, ref, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse, ref_lse)
+
+    k_cache, v_cache, table, used, k_ref, v_ref = paged_case(q_lens, k_lens, 16, hkv, D)
+    out_p, lse_p = jagged_sdpa.varlen_attention(
+        q, k_cache.to(TRITON_DEVICE), v_cache.to(TRITON_DEVICE), cu_q, None, max(q_lens), max(k_lens),
+        block_table=table.to(TRITON_DEVICE), seqused_k=used.to(TRITON_DEVICE), return_lse=True, backend="triton",
+        **kw)
+    assert len(triton_launches) == 2 and triton_launches[1][1]["num_splits"] > 1
+    ref_p, ref_lse_p, _ = _reference(q.cpu(), k_ref, v_ref, cu_of(q_lens), cu_of(k_lens),
+                                     dict(kw, sinks=sinks.cpu(), prefix_lens=prefix.cpu()))
+    assert_close_packed(out_p, ref_p, cu_seqlens=cu_of(q_lens))
+    assert_close_lse(lse_p, ref_lse_p)
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_dropout_never_drops_the_sink_with_seqused_k(triton_launches):
+    """TRITON draws MATH's keyed mask; compared to the reference given that mask, forward and backward
+    (dsinks too), with seqused_k bounding the keys (and the prefixes)."""
+    p = 0.3
+    q_lens, k_lens, used = [5, 20, 3], [9, 24, 4], [7, 18, 0]
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (packed(lens, h, D, gen=gen).to(TRITON_DEVICE).requires_grad_()
+               for lens, h in ((q_lens, HQ), (k_lens, HKV), (k_lens, HKV)))
+    sinks = torch.randn(HQ, generator=gen).to(TRITON_DEVICE).requires_grad_()
+    kw = dict(causal=True, chunk_size=6, sinks=sinks,
+              prefix_lens=torch.tensor([3, 17, 0], dtype=torch.int32, device=TRITON_DEVICE))
+    seqused = torch.tensor(used, dtype=torch.int32, device=TRITON_DEVICE)
+    cu_q, cu_k = cu_of(q_lens).to(TRITON_DEVICE), cu_of(k_lens).to(TRITON_DEVICE)
+    torch.manual_seed(11)
+    key = keyed_dropout.draw_key()
+    torch.manual_seed(11)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p=p,
+                                       seqused_k=seqused, backend="triton", **kw)
+    keep = lambda b, lq, lk: keyed_dropout.keep_mask(key, b, HQ, torch.arange(lq), torch.arange(lk), p)
+    ref, _, leaves = _reference(q.cpu(), k.cpu(), v.cpu(), cu_of(q_lens), cu_of(k_lens),
+                                dict(kw, sinks=sinks.cpu(), prefix_lens=kw["prefix_lens"].cpu()), dropout_p=p,
+                                dropout_keep=keep, seqused_k=used)
+    assert_close_packed(out, ref, cu_seqlens=cu_of(q_lens))
+    grad_out = torch.randn(out.shape).to(out)
+    got = torch.autograd.grad(out, [q, k, v, sinks], grad_out)
+    assert [name for name, _ in triton_launches] == ["fwd", "bwd"]
+    _check_grads([g.cpu() for g in got], torch.autograd.grad(ref, leaves, grad_out.cpu().double()),
+                 cu_of(q_lens), cu_of(k_lens))
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_plan_runs_take_each_runs_sinks_and_updated_prefixes(triton_launches):
+    """A TRITON plan passes each run's sinks and the prefix_lens of its latest update to the kernels."""
+    q, k, v, kw0 = _triton_case(MIXES["prefix_chunk_sinks"], LQ, LK, PREFIX, torch.float32)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    cu_q, cu_k = cu_of(LQ).to(TRITON_DEVICE), cu_of(LK).to(TRITON_DEVICE)
+    opts = dict(causal=True, chunk_size=2, return_lse=True)
+    p = jagged_sdpa.plan(cu_q, cu_k, max(LQ), max(LK), prefix_lens=kw0["prefix_lens"], backend="triton", **opts)
+    sinks_runs = [torch.randn(HQ), torch.tensor([float("-inf"), 0.5, -1.0, 3.0])]   # -inf: no sink for head 0
+    prefixes = [PREFIX, PREFIX, [1, 2, 0, 4, 1, 0]]
+    for run, (sinks, prefix) in enumerate(zip(sinks_runs + sinks_runs[:1], prefixes)):
+        if run == 2:
+            p.update(cu_q, cu_k, max(LQ), max(LK), prefix_lens=torch.tensor(prefix, dtype=torch.int32,
+                                                                              device=TRITON_DEVICE))
+        out, lse = p.run(q, k, v, sinks=sinks.to(TRITON_DEVICE))
+        assert len(triton_launches) == run + 1
+        ref, ref_lse, _ = _reference(q.cpu(), k.cpu(), v.cpu(), cu_of(LQ), cu_of(LK),
+                                     dict(causal=True, chunk_size=2, sinks=sinks, prefix_lens=torch.tensor(prefix)))
+        assert_close_packed(out, ref, cu_seqlens=cu_of(LQ))
+        assert_close_lse(lse, ref_lse)
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_sdpa_top_left_with_gqa(triton_launches):
+    """sdpa's top-left alignment (Lq > Lk: rows past the keys; Lq < Lk: keys past the rows) with GQA,
+    a window, chunks and prefixes cut by the tiles, forward and backward with dsinks."""
+    lq, lk = [35, 12], [20, 33]
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (packed(lens, h, D, gen=gen).to(TRITON_DEVICE).requires_grad_()
+               for lens, h in ((lq, HQ), (lk, HKV), (lk, HKV)))
+    sinks = torch.randn(HQ, generator=gen).to(TRITON_DEVICE).requires_grad_()
+    prefix = torch.tensor([18, 5], dtype=torch.int32, device=TRITON_DEVICE)
+    as_njt = lambda x, lens: torch.nested.nested_tensor_from_jagged(
+        x, cu_of(lens).to(torch.int64).to(TRITON_DEVICE)).transpose(1, 2)
+    out = jagged_sdpa.sdpa(as_njt(q, lq), as_njt(k, lk), as_njt(v, lk), is_causal=True, causal_alignment="top_left",
+                           enable_gqa=True, window_size=(24, 0), sinks=sinks, chunk_size=16, prefix_lens=prefix,
+                           backend="triton")
+    got_out = out.transpose(1, 2).values()
+    grad_out = torch.randn(got_out.shape).to(got_out)
+    got = torch.autograd.grad(got_out, [q, k, v, sinks], grad_out)
+    assert [name for name, _ in triton_launches] == ["fwd", "bwd"]
+    ref, _, leaves = _reference(q.cpu(), k.cpu(), v.cpu(), cu_of(lq), cu_of(lk),
+                                dict(causal=True, window_size=(24, 0), sinks=sinks.cpu(), chunk_size=16,
+                                     prefix_lens=prefix.cpu()), alignment="top_left")
+    assert_close_packed(got_out, ref, cu_seqlens=cu_of(lq))
+    _check_grads([g.cpu() for g in got], torch.autograd.grad(ref, leaves, grad_out.cpu().double()), cu_of(lq),
+                 cu_of(lk))
+
+
+@functools.cache
+def _range_probe():
+    """A kernel writing ``_visible_keys`` of each position and ``_visible_rows`` of each key range."""
+    @triton.jit
+    def probe(Pos, Lo, Hi, N0, N1, RowLo, RowHi, n_pos, n_pairs, len_k, left, right, chunk, prefix,
+              HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        pos = tl.load(Pos + offs, mask=offs < n_pos, other=0)
+        lo, hi = _visible_keys(pos, len_k, left, right, chunk, prefix, HAS_CHUNK, HAS_PREFIX)
+        tl.store(Lo + offs, lo, mask=offs < n_pos)
+        tl.store(Hi + offs, hi, mask=offs < n_pos)
+        n0 = tl.load(N0 + offs, mask=offs < n_pairs, other=0)
+        n1 = tl.load(N1 + offs, mask=offs < n_pairs, other=1)
+        row_lo, row_hi = _visible_rows(n0, n1, left, right, chunk, prefix, HAS_CHUNK, HAS_PREFIX)
+        tl.store(RowLo + offs, row_lo, mask=offs < n_pairs)
+        tl.store(RowHi + offs, row_hi, mask=offs < n_pairs)
+    return probe
+
+
+@needs_triton
+@pytest.mark.interpret
+def test_triton_key_and_row_ranges_are_the_position_rules(triton_launches):
+    """The kernels' masks and loop bounds come from ``_visible_keys`` (each row's keys) and
+    ``_visible_rows`` (the rows that see a key range, for dK/dV): the first equals
+    ``positions.visible_keys`` for every position (negative ones too), the second is exactly the
+    hull of the rows whose keys meet the range, over causal x windows x chunk sizes x prefixes."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    from jagged_sdpa.backends import positions
+    from jagged_sdpa.spec import AttnSpec
+
+    base = AttnSpec(entry="varlen", device_type="cpu", capability=None, dtype=torch.float32, batch=1, heads_q=1,
+                    heads_kv=1, head_dim=4, head_dim_v=4, total_q=1, total_k=1, max_seqlen_q=1, max_seqlen_k=1,
+                    has_empty_q=False, has_empty_k=False, lengths_known=True)
+    probe = _range_probe()
+    pos = torch.arange(-12, 30, dtype=torch.int32)
+    for causal, window, chunk, len_k in product((False, True), ((-1, -1), (1, 0), (0, 2), (2, -1), (3, 1)),
+                                                (None, 1, 2, 3, 5), (3, 9)):
+        pairs = [(n0, n1) for n0 in range(len_k) for n1 in range(n0 + 1, len_k + 1)]
+        n0, n1 = (torch.tensor(x, dtype=torch.int32) for x in zip(*pairs))
+        for prefix in sorted({0, 1, len_k // 2, len_k}):
+            spec = base.replace(causal=causal, window=window, chunk_size=chunk, prefix=prefix > 0)
+            (left, right, chunk_arg, _), flags = triton_common.mask_args(
+                SimpleNamespace(spec=spec, prefix_lens=None, cu_seqlens_q=None))
+            out = [torch.zeros(n, dtype=torch.int32, device=TRITON_DEVICE)
+                   for n in (len(pos), len(pos), len(pairs), len(pairs))]
+            probe[(1,)](pos.to(TRITON_DEVICE), *out[:2], n0.to(TRITON_DEVICE), n1.to(TRITON_DEVICE), *out[2:],
+                        len(pos), len(pairs), len_k, left, right, chunk_arg, prefix, HAS_CHUNK=flags["HAS_CHUNK"],
+                        HAS_PREFIX=prefix > 0, BLOCK=64)
+            lo, hi, row_lo, row_hi = (t.tolist() for t in out)
+            where = (spec.describe(), prefix)
+            seen = []
+            for i, p in enumerate(pos.tolist()):
+                want = positions.visible_keys(spec, p, len_k, prefix)
+                assert set(range(lo[i], hi[i])) == set(range(*want)), (where, p, (lo[i], hi[i]), want)
+                seen.append(set(range(*want)))
+            for i, (a, b) in enumerate(pairs):
+                rows = [p for p, keys in zip(pos.tolist(), seen) if keys & set(range(a, b))]
+                clip = lambda x: min(max(x, pos[0].item()), pos[-1].item() + 1)
+                if rows:
+                    assert rows == list(range(rows[0], rows[-1] + 1)), (where, a, b)
+                    assert (clip(row_lo[i]), clip(row_hi[i])) == (rows[0], rows[-1] + 1), (where, a, b, row_lo[i],
+                                                                                           row_hi[i])
+                else:
+                    assert clip(row_hi[i]) <= clip(row_lo[i]), (where, a, b, row_lo[i], row_hi[i])
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(TRITON_OK or triton is None, reason="the TRITON cases run in this process")
+def test_triton_section_under_the_interpreter():
+    """torch._dynamo (imported above) imports triton compiled, so when this module runs before any
+    module that imports triton interpreted (test_backend_triton.py, test_dropout.py), its TRITON
+    cases run again in a fresh process that sets TRITON_INTERPRET=1 from the start."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "triton and not under_the_interpreter", "-m", "not cuda"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

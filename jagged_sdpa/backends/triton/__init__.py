@@ -82,6 +82,10 @@ class TritonBackend(BackendImpl):
         head_dim_max=HEAD_DIM_MAX,
         min_capability=(8, 0),  # what Triton itself supports on NVIDIA GPUs
         paged=True,
+        sinks=True,
+        sinks_grad=True,
+        chunked=True,
+        prefix=True,
         notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only"),
     )
 

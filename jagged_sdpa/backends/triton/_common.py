@@ -3,9 +3,12 @@ addressing (packed or paged), the dropout mask (``keyed_dropout``'s rule), and t
 argument helpers.
 
 The score of query row i (aligned position i') and key j is, in this order: ``scale * q.k``,
-softcap ``c * tanh(s / c)``, ALiBi ``- slope * |i' - j|``, then the band mask
-``i' - left <= j <= i' + right`` (causal is ``right = 0``). Both passes call the same helpers so
-forward and backward can never disagree about a mask or a dropout draw.
+softcap ``c * tanh(s / c)``, ALiBi ``- slope * |i' - j|``, then the position mask: row i' sees the
+keys [lo, hi) of ``_visible_keys`` (``positions.visible_keys`` in Triton: the band
+``i' - left <= j <= i' + right`` with causal as ``right = 0``, ANDed with the chunk of i' when
+``chunk_size`` is set, and widened to [0, max(hi, P)) for prefix rows i' < P of ``prefix_lens``).
+Both passes call the same helpers so forward and backward can never disagree about a mask or a
+dropout draw, nor the loop bounds (derived from the same ranges) about the keys a mask keeps.
 """
 
 from __future__ import annotations
@@ -49,8 +52,55 @@ def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PA
 
 
 @triton.jit
+def _floor_div(a, c):
+    """floor(a / c) for c > 0 and any sign of a. Triton's ``//`` truncates toward zero (C's rule),
+    so only non-negative numerators are divided: a negative position is in chunk -1 or below."""
+    return tl.where(a >= 0, a, 0) // c - tl.where(a < 0, (c - 1 - a) // c, 0)
+
+
+@triton.jit
+def _visible_keys(pos, len_k, window_left, window_right, chunk_size, prefix_len,
+                  HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """Keys [lo, hi) (0 <= lo, hi <= len_k; none when hi <= lo) seen by the row at aligned
+    position ``pos`` (a scalar or a vector of rows): ``positions.visible_keys``. Both ends grow
+    with pos, so rows [p0, p1] together see [lo(p0), hi(p1)) and every one of them [lo(p1), hi(p0))."""
+    lo = tl.maximum(pos - window_left, 0)
+    hi = tl.minimum(pos + window_right + 1, len_k)
+    if HAS_CHUNK:
+        start = _floor_div(pos, chunk_size) * chunk_size
+        lo = tl.maximum(lo, start)
+        hi = tl.minimum(hi, start + chunk_size)
+    if HAS_PREFIX:
+        # A prefix row's own keys start at or below pos < P: with the prefix they make [0, max(hi, P)).
+        in_prefix = pos < prefix_len
+        lo = tl.where(in_prefix, 0, lo)
+        hi = tl.where(in_prefix, tl.maximum(hi, prefix_len), hi)
+    return tl.minimum(lo, len_k), tl.maximum(tl.minimum(hi, len_k), 0)
+
+
+@triton.jit
+def _visible_rows(n0, n1, window_left, window_right, chunk_size, prefix_len,
+                  HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """Aligned positions [lo, hi) of the rows that see some key of [n0, n1) (0 <= n0 < n1 <= len_k):
+    the inverse of ``_visible_keys``. A row sees one iff its hi > n0 and its lo < n1; both ends
+    grow with the row, so those rows are one range: hi(p) > n0 needs p + right >= n0 and p's chunk
+    at or after n0's, lo(p) < n1 needs p - left < n1 and p's chunk at or before n1 - 1's. When n0 < P
+    every prefix row sees key n0 too (and the first bound is already <= n0 < P)."""
+    lo = n0 - window_right
+    hi = n1 + window_left
+    if HAS_CHUNK:
+        lo = tl.maximum(lo, (n0 // chunk_size) * chunk_size)
+        hi = tl.minimum(hi, ((n1 - 1) // chunk_size + 1) * chunk_size)
+    if HAS_PREFIX:
+        lo = tl.where(n0 < prefix_len, -1073741824, lo)  # -UNBOUNDED: below every row
+        hi = tl.where(n0 < prefix_len, tl.maximum(hi, prefix_len), hi)
+    return lo, hi
+
+
+@triton.jit
 def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left, window_right,
-            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr):
+            chunk_size, prefix_len, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr,
+            HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr, MASKED: tl.constexpr):
     """Transformed, masked scores (natural units) and, for softcap's backward, tanh(s / c).
 
     MASKED=False skips the mask for key blocks every row of the tile sees (interior blocks)."""
@@ -65,8 +115,9 @@ def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, windo
     if MASKED:
         keep = row_valid[:, None] & (offs_n[None, :] < len_k)
         if HAS_BAND:
-            keep = keep & (offs_n[None, :] <= pos_q[:, None] + window_right)
-            keep = keep & (offs_n[None, :] >= pos_q[:, None] - window_left)
+            lo, hi = _visible_keys(pos_q, len_k, window_left, window_right, chunk_size, prefix_len, HAS_CHUNK,
+                                   HAS_PREFIX)
+            keep = keep & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         s = tl.where(keep, s, float("-inf"))
     return s, tanh_s
 
@@ -133,14 +184,26 @@ def head_dim_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def window_bounds(spec) -> tuple[int, int, bool]:
-    """(left, right, has_band) with unbounded sides as UNBOUNDED and causal folded into right."""
+def mask_args(call) -> tuple[tuple[int, int, int, torch.Tensor], dict]:
+    """The position mask's kernel arguments: (window_left, window_right, chunk_size, prefix_lens or
+    a dummy int32 tensor) and the constexprs HAS_BAND (rows see a key range: causal, window or
+    chunk; a prefix only widens one), HAS_CHUNK and HAS_PREFIX. Unbounded sides are UNBOUNDED,
+    causal is folded into right."""
+    spec = call.spec
     left, right = spec.window
     left = UNBOUNDED if left < 0 else left
     right = UNBOUNDED if right < 0 else right
     if spec.causal:
         right = min(right, 0)
-    return left, right, spec.causal or spec.has_window
+    has_band = spec.causal or spec.has_window or spec.chunk_size is not None
+    prefix = call.prefix_lens if spec.prefix else call.cu_seqlens_q
+    flags = dict(HAS_BAND=has_band, HAS_CHUNK=spec.chunk_size is not None, HAS_PREFIX=spec.prefix and has_band)
+    return (left, right, spec.chunk_size or 1, prefix), flags
+
+
+def sink_args(call) -> torch.Tensor:
+    """The sinks (Hq,) in float32 (API.md 11 computes them in float32), or a dummy without sinks."""
+    return call.sinks.to(torch.float32).contiguous() if call.spec.sinks else call.cu_seqlens_q
 
 
 def length_bucket(n: int) -> int:

@@ -6,11 +6,16 @@ reference: the float64 ``tests/reference.py`` differentiated by autograd):
 
 * ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv * GROUP_SPLITS, B). One program
   owns a key block of one kv head and loops over (its share of) the GROUP query heads that share it
-  and over the query blocks its band can see, so dK/dV are reduced across the query group in
+  and over the query blocks whose rows see it, so dK/dV are reduced across the query group in
   registers (and, with GROUP_SPLITS > 1, over float32 partials afterwards): no expanded K/V, no
   atomics, deterministic.
 * ``_attn_bwd_dq``: grid (query blocks, Hq, B). One program owns a query block and loops over the
-  key blocks its band can see.
+  key blocks its rows can see.
+
+The position rules (band, chunk, prefix) and their block bounds are the forward's
+(``_common._visible_keys``; the dK/dV loop uses its inverse ``_visible_rows``). Sinks need nothing
+in the kernels: the forward's lse includes them, so P = exp(S - lse) is already right;
+dsink_h = -sum_i exp(sink_h - lse_i) delta_i is computed from lse and delta afterwards (``sink_grad``).
 
 With dropout Z (keep / (1 - p), the forward's mask recomputed from the call's key):
 dV = (P o Z)^T dO, dP = (dO V^T) o Z, dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.
@@ -26,8 +31,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _scores, _sequence_bounds, alibi_args, dropout_key_args, head_dim_pad, length_bucket,
-    on_device, sequence_order, tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _scores, _sequence_bounds, _visible_keys, _visible_rows, alibi_args, dropout_key_args,
+    head_dim_pad, length_bucket, mask_args, on_device, sequence_order, tile_bytes_per_row,
 )
 from jagged_sdpa.spec import PackedCall
 
@@ -71,7 +76,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 _AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
-                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
+                 "HAS_CHUNK", "HAS_PREFIX", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
 
 
 @triton.jit
@@ -99,12 +104,15 @@ def _attn_bwd_delta(
 
 @triton.jit
 def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope, window_left,
-                   window_right, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   window_right, chunk_size, prefix_len, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                   HAS_PREFIX: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    IEEE: tl.constexpr):
-    """P = exp(S - lse) (0 where masked, and for rows whose lse is -inf) and tanh(s / c)."""
+    """P = exp(S - lse) (0 where masked, and for rows whose lse is -inf) and tanh(s / c). With
+    sinks the lse includes the sink, so P is already the probability and dS needs nothing more."""
     qk = _dot(q, kT, IEEE)
     s, tanh_s = _scores(qk, offs_m + shift, offs_n, len_k, offs_m < len_q, sm_scale, softcap, slope,
-                        window_left, window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, True)
+                        window_left, window_right, chunk_size, prefix_len, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND,
+                        HAS_CHUNK, HAS_PREFIX, True)
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     p = tl.math.exp2((s - lse_safe[:, None]) * 1.4426950408889634)
     return p, tanh_s
@@ -120,10 +128,10 @@ def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY + ["GROUP_SPLITS"],
                  prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DK", "DV"])
-@triton.jit(do_not_specialize=["key_seed", "key_offset"])
+@triton.jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
-    CuQ, CuK, SeqUsedK, Alibi, SeqOrder,                 # int32 metadata, float32 slopes
+    CuQ, CuK, SeqUsedK, Alibi, SeqOrder, PrefixLens,     # int32 metadata, float32 slopes
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
     stride_kt, stride_kh, stride_kd,                     # k (total_k, Hkv, D)
     stride_vt, stride_vh, stride_vd,                     # v (total_k, Hkv, Dv)
@@ -132,14 +140,15 @@ def _attn_bwd_dkdv(
     stride_dks, stride_dkt, stride_dkh, stride_dkd,      # dk like k, or float32 partials (splits, *k.shape)
     stride_dvs, stride_dvt, stride_dvh, stride_dvd,      # dv likewise
     stride_ab,                                           # alibi batch stride (0 = per head)
-    sm_scale, softcap, window_left, window_right, dropout_p, key_seed, key_offset,
+    sm_scale, softcap, window_left, window_right, chunk_size, dropout_p, key_seed, key_offset,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only
     GROUP: tl.constexpr,
     GROUP_SPLITS: tl.constexpr,                          # programs sharing one kv head's query group
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr, IEEE: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -168,12 +177,18 @@ def _attn_bwd_dkdv(
                  + offs_dv[:, None].to(tl.int64) * stride_vd,
                  mask=key_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
 
-    # Query rows i whose band i' - left <= j <= i' + right reaches this key block.
+    # Query rows i whose visible keys reach this key block (``_visible_rows``, aligned positions
+    # clamped to the sequence's rows [shift, len_q + shift) before shifting back: no overflow).
+    prefix_len = 0
+    if HAS_PREFIX:
+        prefix_len = tl.load(PrefixLens + b)
     lo = 0
     hi = len_q
     if HAS_BAND:
-        lo = tl.maximum(n0 - shift - window_right, 0)
-        hi = tl.minimum(n0 + BLOCK_N - 1 - shift + window_left + 1, len_q)
+        p_lo, p_hi = _visible_rows(n0, tl.minimum(n0 + BLOCK_N, len_k), window_left, window_right, chunk_size,
+                                   prefix_len, HAS_CHUNK, HAS_PREFIX)
+        lo = tl.maximum(p_lo, shift) - shift
+        hi = tl.maximum(tl.minimum(p_hi, len_q + shift) - shift, lo)
     lo = (lo // BLOCK_M) * BLOCK_M
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -196,7 +211,8 @@ def _attn_bwd_dkdv(
             lse = tl.load(Lse + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
             delta = tl.load(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, mask=row_ok, other=0.0)
             p, tanh_s = _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope,
-                                       window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+                                       window_left, window_right, chunk_size, prefix_len, HAS_BAND, HAS_CHUNK,
+                                       HAS_PREFIX, HAS_SOFTCAP, HAS_ALIBI, IEEE)
             dp = _dot(do, vT, IEEE)
             if HAS_DROPOUT:
                 keep = _dropout_keep(key_seed, key_offset, b, offs_m, head, offs_n, dropout_p)
@@ -219,10 +235,10 @@ def _attn_bwd_dkdv(
 
 @triton.autotune(configs=bwd_configs(), key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["DQ"])
-@triton.jit(do_not_specialize=["key_seed", "key_offset"])
+@triton.jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ,
-    CuQ, CuK, SeqUsedK, Alibi, SeqOrder,
+    CuQ, CuK, SeqUsedK, Alibi, SeqOrder, PrefixLens,
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
     stride_kt, stride_kh, stride_kd,                     # k (total_k, Hkv, D)
     stride_vt, stride_vh, stride_vd,                     # v (total_k, Hkv, Dv)
@@ -230,13 +246,14 @@ def _attn_bwd_dq(
     stride_lh, stride_lt,                                # lse and delta (Hq, total_q)
     stride_dqt, stride_dqh, stride_dqd,                  # dq like q
     stride_ab,
-    sm_scale, softcap, window_left, window_right, dropout_p, key_seed, key_offset,
+    sm_scale, softcap, window_left, window_right, chunk_size, dropout_p, key_seed, key_offset,
     max_seqlen_q_bucket, max_seqlen_k_bucket,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr, IEEE: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -268,11 +285,18 @@ def _attn_bwd_dq(
     if HAS_ALIBI:
         slope = tl.load(Alibi + b * stride_ab + head)
 
+    # Keys [lo, hi) some row of the block sees (``_visible_keys`` of its first and last row).
+    prefix_len = 0
+    if HAS_PREFIX:
+        prefix_len = tl.load(PrefixLens + b)
     lo = 0
     hi = len_k
     if HAS_BAND:
-        lo = tl.maximum(m0 + shift - window_left, 0)
-        hi = tl.minimum(m0 + BLOCK_M - 1 + shift + window_right + 1, len_k)
+        lo, _hi = _visible_keys(m0 + shift, len_k, window_left, window_right, chunk_size, prefix_len, HAS_CHUNK,
+                                HAS_PREFIX)
+        _lo, hi = _visible_keys(m0 + BLOCK_M - 1 + shift, len_k, window_left, window_right, chunk_size, prefix_len,
+                                HAS_CHUNK, HAS_PREFIX)
+        hi = tl.maximum(hi, lo)
     lo = (lo // BLOCK_N) * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -287,7 +311,8 @@ def _attn_bwd_dq(
                      + offs_dv[:, None].to(tl.int64) * stride_vd,
                      mask=key_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
         p, tanh_s = _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope,
-                                   window_left, window_right, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+                                   window_left, window_right, chunk_size, prefix_len, HAS_BAND, HAS_CHUNK,
+                                   HAS_PREFIX, HAS_SOFTCAP, HAS_ALIBI, IEEE)
         dp = _dot(do, vT, IEEE)
         if HAS_DROPOUT:
             keep = _dropout_keep(key_seed, key_offset, b, offs_m, head, offs_n, dropout_p)
@@ -301,23 +326,34 @@ def _attn_bwd_dq(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """dsink_h = -sum_i p_sink,i delta_i over the rows of head h, in the sinks' dtype: p_sink =
+    exp(sink_h - lse_i) is the sink's share of row i (the lse includes it) and delta_i = dO_i . O_i
+    (MATH's ``attend_block_backward``). float32 torch ops on (Hq, total_q): no kernel needed."""
+    sink = sinks.to(torch.float32).unsqueeze(1)
+    p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))  # a sink of -inf: no share
+    return (-(p_sink * delta).sum(1)).to(sinks.dtype)
+
+
 def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
-    """(dq, dk, dv) in the shapes of call.q/k/v (packed keys only; see the module docstring).
-    group_splits > 1 spreads each kv head's query group over that many dK/dV programs, which write
-    float32 partials summed here (``plans.plan_group_splits``)."""
+    """(dq, dk, dv[, dsinks]) in the shapes of call.q/k/v (and of the sinks when they need a
+    gradient; packed keys only; see the module docstring). group_splits > 1 spreads each kv head's
+    query group over that many dK/dV programs, which write float32 partials summed here
+    (``plans.plan_group_splits``)."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
     batch = call.cu_seqlens_q.shape[0] - 1
-    if batch == 0 or q.shape[0] == 0 or k.shape[0] == 0:
-        return dq, torch.zeros(k.shape, device=k.device, dtype=k.dtype), torch.zeros(v.shape, device=v.device,
-                                                                                     dtype=v.dtype)
+    if batch == 0 or q.shape[0] == 0 or k.shape[0] == 0:  # every out row is 0: so is every gradient
+        grads = (dq, torch.zeros(k.shape, device=k.device, dtype=k.dtype),
+                 torch.zeros(v.shape, device=v.device, dtype=v.dtype))
+        return grads + ((torch.zeros_like(call.sinks),) if spec.sinks_grad else ())
     part_dtype = torch.float32 if group_splits > 1 else k.dtype
     dk_parts = torch.zeros((group_splits, *k.shape), device=k.device, dtype=part_dtype)
     dv_parts = torch.zeros((group_splits, *v.shape), device=v.device, dtype=part_dtype)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    left, right, has_band = window_bounds(spec)
+    (left, right, chunk, prefix), mask_flags = mask_args(call)
     slopes, stride_ab = alibi_args(call)
     seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
     order = sequence_order(call)
@@ -325,11 +361,11 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
         GROUP=spec.heads_q // spec.heads_kv,
         HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
         HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
-        BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
+        BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
         HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
         IEEE=q.dtype == torch.float32,
     )
-    scalars = (spec.scale, spec.softcap or 1.0, left, right, spec.dropout_p, *dropout_key_args(call),
+    scalars = (spec.scale, spec.softcap or 1.0, left, right, chunk, spec.dropout_p, *dropout_key_args(call),
                length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k))
     max_k, max_q = max(spec.max_seqlen_k, 1), max(spec.max_seqlen_q, 1)
     with on_device(q):
@@ -340,16 +376,16 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
         )
         _attn_bwd_dkdv[lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv * group_splits, batch)](
             q, k, v, grad_out, lse, delta, dk_parts, dv_parts,
-            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order, prefix,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             *dk_parts.stride(), *dv_parts.stride(), stride_ab, *scalars, GROUP_SPLITS=group_splits, **common,
         )
         _attn_bwd_dq[lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), spec.heads_q, batch)](
             q, k, v, grad_out, lse, delta, dq,
-            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order,
+            call.cu_seqlens_q, call.cu_seqlens_k, seqused, slopes, order, prefix,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             *dq.stride(), stride_ab, *scalars, **common,
         )
-    if group_splits > 1:
-        return dq, dk_parts.sum(0).to(k.dtype), dv_parts.sum(0).to(v.dtype)
-    return dq, dk_parts[0], dv_parts[0]
+    grads = (dq, dk_parts.sum(0).to(k.dtype), dv_parts.sum(0).to(v.dtype)) if group_splits > 1 else (
+        dq, dk_parts[0], dv_parts[0])
+    return grads + ((sink_grad(call.sinks, lse, delta),) if spec.sinks_grad else ())

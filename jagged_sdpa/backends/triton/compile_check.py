@@ -25,13 +25,13 @@ from jagged_sdpa.backends.triton import bwd, fwd
 
 DATA_POINTERS = {"Q", "K", "V", "DO", "DQ"}
 OUT_POINTERS = {"Out", "DK", "DV"}  # may be float32 partials (split-k, backward group splits)
-FLOAT32_POINTERS = {"Lse", "Delta", "Alibi"}
+FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks"}
 FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
 
-ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True,
-              HAS_SEQUSED=True, IEEE=False)
-ALL_OFF = dict(GROUP=1, BOTTOM_RIGHT=False, HAS_BAND=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False,
-               HAS_SEQUSED=False, IEEE=False)
+ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_CHUNK=True, HAS_PREFIX=True, HAS_SOFTCAP=True,
+              HAS_ALIBI=True, HAS_DROPOUT=True, HAS_SEQUSED=True, IEEE=False)
+ALL_OFF = dict(GROUP=1, BOTTOM_RIGHT=False, HAS_BAND=False, HAS_CHUNK=False, HAS_PREFIX=False, HAS_SOFTCAP=False,
+               HAS_ALIBI=False, HAS_DROPOUT=False, HAS_SEQUSED=False, IEEE=False)
 
 
 def _dims(d: int, dv: int) -> dict:
@@ -41,8 +41,8 @@ def _dims(d: int, dv: int) -> dict:
 
 def variants(quick: bool):
     """(name, kernel, data dtype, out dtype, constexprs, num_warps, num_stages)."""
-    paged_split = dict(PAGED=True, PAGE_SIZE=16, SPLIT_K=True, PACK_GQA=True)
-    packed = dict(PAGED=False, PAGE_SIZE=16, SPLIT_K=False, PACK_GQA=False)
+    paged_split = dict(PAGED=True, PAGE_SIZE=16, SPLIT_K=True, PACK_GQA=True, HAS_SINKS=True)
+    packed = dict(PAGED=False, PAGE_SIZE=16, SPLIT_K=False, PACK_GQA=False, HAS_SINKS=False)
     yield ("fwd every option, paged, split-k, gqa-packed, bf16 D128", fwd._attn_fwd, "bf16", "fp32",
            {**ALL_ON, **_dims(128, 128), **paged_split, "BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
     yield ("bwd dk/dv every option, group split, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "fp32",

@@ -7,7 +7,8 @@ Layout: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) or paged (num_blocks, block
 with a block table; every stride is passed, so non-contiguous views (a fused qkv buffer) work.
 Grid: (row blocks of the longest sequence, Hq, B * num_splits). Each program reads its sequence's
 bounds from cu_seqlens (or seqused_k), exits at once past the end, and walks only the key blocks its
-band (causal / window) can see, unmasked where every row of the tile sees the whole block.
+rows can see (causal / window / chunk / prefix ranges, ``_common._visible_keys``), unmasked where
+every row of the tile sees the whole block.
 Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
 heaviest) query blocks first.
 Decode-shaped calls (rules in ``plans.py``): with num_splits > 1 each program takes one slice of
@@ -15,8 +16,10 @@ the keys and writes a float32 partial output and lse that ``plans.merge_splits``
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
-or per batch and head), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``), Dv != D, any
-head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros, lse -inf), seqused_k.
+or per batch and head), sinks, chunk_size and prefix_lens (API.md 11; a sink joins each row's
+denominator after the key loop), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``),
+Dv != D, any head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros,
+lse -inf; lse = sink with sinks), seqused_k.
 Limits: bf16 under the Triton 3.9 interpreter is wrong (tl.dot and fp32->bf16 casts), so CPU
 tests use fp32/fp16; bf16 is tested on CUDA only.
 """
@@ -29,8 +32,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, alibi_args, dropout_key_args, head_dim_pad,
-    kv_strides, length_bucket, on_device, sequence_order, tile_bytes_per_row, window_bounds,
+    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args, dropout_key_args,
+    head_dim_pad, kv_strides, length_bucket, mask_args, on_device, sequence_order, sink_args, tile_bytes_per_row,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
@@ -103,9 +106,10 @@ def _prune(configs, named_args, **kwargs):
 def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_valid, offs_d,
                offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-               sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
+               key_offset, heads_col, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
                MASKED: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) of one sequence (exp2 of natural-unit differences); MASKED=False only for
@@ -118,7 +122,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         qk = _dot(q, k, IEEE)
         s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
-                        window_right, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, MASKED)
+                        window_right, chunk_size, prefix_len, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, HAS_CHUNK,
+                        HAS_PREFIX, MASKED)
         # The max stays in natural units (the scores as they are): the exponent (s - m) log2(e) is
         # then exact where s = m, and lse = m + log(l) is the top score itself in a one-hot row, so
         # the backward's exp(S - lse) gives P = 1 there. (Scaling s by log2(e) first rounded
@@ -143,32 +148,34 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
 
 @triton.autotune(
     configs=fwd_configs(),
-    key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
+    key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND", "HAS_CHUNK",
+         "HAS_PREFIX", "HAS_SINKS",
          "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "SPLIT_K", "PACK_GQA"],
     prune_configs_by={"early_config_prune": _prune},
 )
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
 @triton.jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
-                               "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
+                               "chunk_size", "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
+    PrefixLens, Sinks,                                   # int32 (B,), float32 (Hq,) (API.md 11)
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
     stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D) or (blocks, size, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,          # v, same with Dv
     stride_os, stride_ot, stride_oh, stride_od,          # out (splits, total_q, Hq, Dv); split stride 0 if none
     stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
     stride_btb, stride_ab,                               # block table row, alibi batch (0 = per head)
-    sm_scale, softcap, window_left, window_right,        # runtime scalars
+    sm_scale, softcap, window_left, window_right, chunk_size,  # runtime scalars
     dropout_p, key_seed, key_offset, split_size, num_splits,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
     GROUP: tl.constexpr,                                 # Hq // Hkv
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
-    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_K: tl.constexpr,                               # num_splits > 1 (a runtime value: no recompile per count)
     PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
     IEEE: tl.constexpr,
@@ -215,22 +222,27 @@ def _attn_fwd(
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
                 mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
-    # Keys [lo, hi) are seen by some row of the tile; under a band, keys [full_lo, full_hi) by every row.
+    # Keys [lo, hi) are seen by some row of the tile; under a band, keys [full_lo, full_hi) by every
+    # row (each row sees one range and both its ends grow with the row, ``_visible_keys``).
     lo = start_k * 0
     hi = len_k
     full_lo = start_k * 0
     full_hi = len_k
+    prefix_len = 0
+    if HAS_PREFIX:
+        prefix_len = tl.load(PrefixLens + b)
     if HAS_BAND:
-        lo = tl.maximum(q_first + shift - window_left, 0)
-        hi = tl.minimum(q_last + shift + window_right + 1, len_k)
-        full_lo = q_last + shift - window_left
-        full_hi = q_first + shift + window_right + 1
+        lo, full_hi = _visible_keys(q_first + shift, len_k, window_left, window_right, chunk_size, prefix_len,
+                                    HAS_CHUNK, HAS_PREFIX)
+        full_lo, hi = _visible_keys(q_last + shift, len_k, window_left, window_right, chunk_size, prefix_len,
+                                    HAS_CHUNK, HAS_PREFIX)
     if SPLIT_K:
         lo = tl.maximum(lo, split * split_size)
         hi = tl.minimum(hi, (split + 1) * split_size)
-    # A tile whose band ends before key 0 (e.g. bottom-right causal, Lq > Lk) gets hi < 0. Keep
-    # every bound >= 0: Triton's integer division truncates toward zero, so a negative hi made
-    # the interior range below start at a negative key and read before the sequence, unmasked.
+    # A tile whose rows see no key (e.g. bottom-right causal, Lq > Lk) or an empty split gets
+    # hi <= lo. Keep every bound >= 0 (``_visible_keys`` clamps them): Triton's integer division
+    # truncates toward zero, so a negative hi made the interior range below start at a negative
+    # key and read before the sequence, unmasked.
     hi = tl.maximum(hi, lo)
     lo = (lo // BLOCK_N) * BLOCK_N
     # Interior blocks [mid_lo, mid_hi), block-aligned inside [lo, hi), skip the mask.
@@ -255,25 +267,41 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             lo, mid_lo, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+            sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
+            key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             True)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+            sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
+            key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             False)
         lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
         lo, hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        sm_scale, softcap, slope, window_left, window_right, dropout_p, key_seed, key_offset, heads_col,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
+        sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
+        key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
         True)
 
-    # A row that saw no key has l = 0: it writes zeros and lse -inf, never 0/0. A NaN score makes
-    # l NaN, which counts as seen: out and lse are NaN, as in dense SDPA.
+    if HAS_SINKS:
+        # The sink is one more logit of the row (not scaled, never dropped): it joins the online
+        # softmax's denominator only. Under split-K the first split carries it (the merge adds the
+        # splits' denominators). A row that saw no key then has out 0 and lse = sink.
+        sink = tl.load(Sinks + heads)
+        if SPLIT_K:
+            sink = tl.where(split == 0, sink, float("-inf"))
+        m_fin = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
+        l_i = l_i * alpha + tl.math.exp2((sink - m_safe) * 1.4426950408889634)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # A row that saw no key (nor a sink) has l = 0: it writes zeros and lse -inf, never 0/0. A NaN
+    # score makes l NaN, which counts as seen: out and lse are NaN, as in dense SDPA.
     seen = l_i != 0.0
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     if HAS_DROPOUT:
@@ -305,7 +333,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
         lse = torch.empty((1, heads_q, total_q), device=q.device, dtype=torch.float32)
     if batch == 0 or total_q == 0:
         return AttnOutput(out[0] if num_splits == 1 else out, lse[0] if num_splits == 1 else lse)
-    left, right, has_band = window_bounds(spec)
+    (left, right, chunk, prefix), mask_flags = mask_args(call)
     slopes, stride_ab = alibi_args(call)
     block_table = call.block_table if spec.paged else call.cu_seqlens_q
     stride_btb = call.block_table.stride(0) if spec.paged else 0
@@ -322,23 +350,23 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     with on_device(q):
         _attn_fwd[grid](
             q, k, v, out, lse,
-            call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call),
+            call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call), prefix, sink_args(call),
             *q.stride(),
             *kv_strides(k, spec.paged),
             *kv_strides(v, spec.paged),
             *out.stride(),
             *lse.stride(),
             stride_btb, stride_ab,
-            spec.scale, spec.softcap or 1.0, left, right,
+            spec.scale, spec.softcap or 1.0, left, right, chunk,
             spec.dropout_p, *dropout_key_args(call), split_size, num_splits,
             length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
             GROUP=group,
             HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
-            BOTTOM_RIGHT=spec.alignment == "bottom_right", HAS_BAND=has_band, HAS_SOFTCAP=bool(spec.softcap),
+            BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
             HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
-            PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16, SPLIT_K=num_splits > 1,
-            PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
+            HAS_SINKS=spec.sinks, PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16,
+            SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
         )
     if num_splits > 1:
         return AttnOutput(out, lse)

@@ -410,10 +410,10 @@ def build(case):
         b["seqused"] = torch.tensor([used_gen.randint(0, n) for n in k_lens], dtype=torch.int32)
         b["seqused_host"] = b["seqused"].tolist()
     b["sinks"] = b["prefix_lens"] = None
-    if case["sinks"]:
+    if case.get("sinks"):
         sinks = torch.randn(hq, generator=gen, dtype=torch.float64) * case["sinks_size"]
-        b["sinks"] = sinks.to(DTYPES[case["sinks_dtype"]]).requires_grad_(case["sinks"] == "grad")
-    if case["prefix"]:
+        b["sinks"] = sinks.to(DTYPES[case["sinks_dtype"]]).requires_grad_(case.get("sinks") == "grad")
+    if case.get("prefix"):
         prng = random.Random(case["data_seed"] + 1)
         b["prefix_lens"] = torch.tensor([prng.choice([0, n, prng.randint(0, n)]) for n in _key_lens(case, b)],
                                         dtype=torch.int32)
@@ -971,7 +971,7 @@ def _gradient_reference(case, b, ref, ref_lse):
     reference.py's per-row loops takes seconds), first checked equal to reference.py's forward."""
     leaves = [b[x].double().requires_grad_(True) for x in ("q", "k", "v")]
     slopes = None if b["slopes"] is None else b["slopes"].detach().double().requires_grad_(case["alibi_grad"])
-    sinks = None if b["sinks"] is None else b["sinks"].detach().double().requires_grad_(case["sinks"] == "grad")
+    sinks = None if b["sinks"] is None else b["sinks"].detach().double().requires_grad_(case.get("sinks") == "grad")
     out64, lse64 = _naive_of(case, {**b, "q": leaves[0], "k": leaves[1], "v": leaves[2]}, slopes=slopes,
                              comp=torch.float64, with_lse=True, sinks=sinks)
     if out64.numel() and not torch.allclose(out64, ref, rtol=1e-9, atol=1e-9):
@@ -1219,7 +1219,7 @@ def _backward(case, b, out):
     grads["q"] = b["q_leaf"].base.grad
     if case["alibi_grad"]:
         grads["alibi"] = b["slopes"].grad
-    if case["sinks"] == "grad":
+    if case.get("sinks") == "grad":
         grads["sinks"] = b["sinks"].grad
     return grads
 
@@ -1249,7 +1249,7 @@ def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
     lk = b["k"].float().requires_grad_(True)
     lv = b["v"].float().requires_grad_(True)
     ls = None if b["slopes"] is None else b["slopes"].detach().clone().requires_grad_(case["alibi_grad"])
-    lsk = None if b["sinks"] is None else b["sinks"].detach().float().requires_grad_(case["sinks"] == "grad")
+    lsk = None if b["sinks"] is None else b["sinks"].detach().float().requires_grad_(case.get("sinks") == "grad")
     cast = (lambda t: t) if dtype == torch.float64 else (lambda t: t.to(dtype))
     lo_out = _naive_of(case, {**b, "q": cast(lq), "k": cast(lk), "v": cast(lv)}, slopes=ls, sinks=lsk)
     lo_leaves = [x for x in (lq, lk, lv, ls, lsk) if x is not None and x.requires_grad]
@@ -1258,7 +1258,7 @@ def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
     else:
         lo = [None] * len(lo_leaves)
     lo = [None if g is None else cast(g) for g in lo]
-    lo_names = ["q", "k", "v"] + ["alibi"] * bool(case["alibi_grad"]) + ["sinks"] * (case["sinks"] == "grad")
+    lo_names = ["q", "k", "v"] + ["alibi"] * bool(case["alibi_grad"]) + ["sinks"] * (case.get("sinks") == "grad")
     lo_of = dict(zip(lo_names, lo))
     bounds = grad_logit_bounds(case, b, ref.detach())
 
@@ -1298,7 +1298,7 @@ def _check_grads(case, b, grads, ref, ref_lse, leaves64, out):
         # The slopes are float32 by contract, so their gradient is too, whatever the call's dtype.
         slope_dtype = torch.float32 if dtype == torch.float64 else dtype
         _close("dalibi", g, w, slope_dtype, grad=True, lowp=widest, fudge=FUDGE[slope_dtype])
-    if case["sinks"] == "grad":
+    if case.get("sinks") == "grad":
         g = grads.get("sinks")
         if g is None:
             raise Failure("dsinks: sinks requires grad but got no gradient")

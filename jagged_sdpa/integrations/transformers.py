@@ -34,6 +34,8 @@ names with "flash".
 from __future__ import annotations
 
 import logging
+import sys
+import types
 import weakref
 from dataclasses import dataclass
 
@@ -41,7 +43,8 @@ import torch
 
 try:
     import transformers as _transformers  # noqa: F401  (the real package: absolute import)
-    from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
+    from transformers import masking_utils
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _err:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
@@ -78,7 +81,14 @@ class _Unpad:
     # None (unknown: a 2-D mask read directly). Eager applies the mask whatever the module's
     # is_causal says, so a known pattern overrides it (bigbird_pegasus' decoder declares is_causal=False)
     causal: bool | None = None
-    padded: bool = True  # False: a marker without padding, only there to carry ``causal``
+    padded: bool = True  # False: a marker without padding, only there to carry the pattern
+    # keys only (create_bidirectional_mask: encoder self-attention, cross-attention): every query row is kept
+    keys_only: bool = False
+    # what the mask's overlays add (see _Overlay): they replace or join the module's own options
+    window: tuple | None = None  # (left, right): replaces the window the module's sliding_window gives
+    chunk: int | None = None  # chunk_size (API.md 11); the keys before each row's first chunk are dropped
+    prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (API.md 11)
+    checks: tuple = ()  # the ints read with the lengths (see _unpad_from_validity)
 
     def queries_as_keys(self) -> "_Unpad":
         """The same batch with the valid keys as the only queries (self-attention): what a
@@ -87,13 +97,15 @@ class _Unpad:
         view = self.__dict__.get("_as_keys")
         if view is None:
             view = _Unpad(self.indices_k, self.indices_k, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
-                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal)
+                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal,
+                          keys_only=self.keys_only)
             self.__dict__["_as_keys"] = view
         return view
 
 
-def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
-    """Unpadding data from bool (B, Q) / (B, K) validity, with one host read for the ints."""
+def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, checks=()) -> _Unpad:
+    """Unpadding data from bool (B, Q) / (B, K) validity, with one host read for the ints (and for
+    the 0-d int ``checks`` the mask's overlays need, returned in ``checks``)."""
     lens_q = query_valid.sum(1, dtype=torch.int32)
     lens_k = key_valid.sum(1, dtype=torch.int32)
     K = key_valid.shape[1]
@@ -105,8 +117,9 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
     else:
         holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
     zero = lens_q.new_zeros(1)
-    max_q, max_k, has_holes = torch.stack(
+    max_q, max_k, has_holes, *checked = torch.stack(
         [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32)]
+        + [c.to(torch.int32) for c in checks]
     ).tolist()
     pad = torch.nn.functional.pad
     indices_q = query_valid.flatten().nonzero().flatten()
@@ -122,45 +135,193 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
         holes=bool(has_holes),
         rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
         rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
+        checks=tuple(checked),
     )
 
 
-def _mask_pattern(mask_function) -> bool | None:
-    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
-    one (encoder self-attention, cross-attention), None if neither or both are found. Reads the
-    closures of ``and_masks``/``sliding_window_*``/packed wrappers; evaluates nothing."""
-    found, stack, seen = set(), [mask_function], set()
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if fn is causal_mask_function:
-            found.add(True)
-        elif fn is bidirectional_mask_function:
-            found.add(False)
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, (tuple, list)):
-                stack.extend(v for v in value if callable(v))
-            elif callable(value):
-                stack.append(value)
-    return found.pop() if len(found) == 1 else None
+def _inner_code(factory, name="inner_mask"):
+    """The code object of the mask function ``factory`` returns: every function it makes shares it."""
+    return next(c for c in factory.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
 
 
-def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, device, dtype) -> torch.Tensor:
+_AND, _OR = _inner_code(masking_utils.and_masks, "and_mask"), _inner_code(masking_utils.or_masks, "or_mask")
+_SLIDING = _inner_code(masking_utils.sliding_window_overlay)
+_SLIDING_BIDIRECTIONAL = _inner_code(masking_utils.sliding_window_bidirectional_overlay)
+_CHUNKED = _inner_code(masking_utils.chunked_overlay)
+_BLOCKWISE = _inner_code(masking_utils.blockwise_overlay)
+_PACKED = _inner_code(masking_utils.packed_sequence_mask_function)
+_REMAP = _inner_code(masking_utils.remap_positions_for_packed_sequence)
+_GEMMA3 = "transformers.models.gemma3.modeling_gemma3"
+
+
+def _all_true(*args):  # the shape of Gemma3's "everything" overlay: lambda *args: torch.tensor(True, ...)
+    return torch.tensor(True, dtype=torch.bool)
+
+
+_ALL_TRUE = _all_true.__code__
+
+
+def _is_all_true(fn, code) -> bool:
+    """``fn`` is ``lambda *args: torch.tensor(True, dtype=torch.bool)`` (Gemma3's bidirectional overlay):
+    the same bytecode, constants and names as ``_all_true``, no closure, this ``torch``."""
+    return fn.__closure__ is None and getattr(fn, "__globals__", {}).get("torch") is torch and all(
+        getattr(code, a) == getattr(_ALL_TRUE, a)
+        for a in ("co_code", "co_consts", "co_names", "co_flags", "co_argcount", "co_kwonlyargcount"))
+
+
+def _is_gemma3_window(code) -> bool:
+    """Gemma3's ``_bidirectional_window_overlay`` (``|q - kv| < sliding_window``): its module is loaded
+    whenever a Gemma3 model made one."""
+    module = sys.modules.get(_GEMMA3)
+    return module is not None and code is _inner_code(module._bidirectional_window_overlay)
+
+
+def _overlay_refused(what: str) -> ValueError:
+    return ValueError(
+        f"mask_function: this model adds a custom mask overlay ({what}); jagged attention supports causal, "
+        "sliding-window and padding masks, Llama 4's chunked attention, prefix-LM blocks (PaliGemma, Gemma3 "
+        "images at the start of a sequence) and Gemma3's bidirectional attention only -- use "
+        "attn_implementation='eager' or 'sdpa' for this model"
+    )
+
+
+@dataclass
+class _Overlay:
+    """The pattern transformers' ``mask_function`` describes, read from its closures (nothing is
+    evaluated): the base pattern and what its overlays add, in terms of varlen_attention's options."""
+
+    causal: bool | None = None  # the effective pattern: True causal, False bidirectional, None unknown
+    keys_only: bool = False  # built on bidirectional_mask_function (create_bidirectional_mask)
+    sliding: int | None = None  # a causal sliding_window_overlay (the module passes the same window)
+    window: tuple | None = None  # a window that replaces the module's (Gemma3: |q - kv| < w -> (w-1, w-1))
+    chunk: tuple | None = None  # (chunk_size, left_padding) of chunked_overlay (Llama 4)
+    blocks: torch.Tensor | None = None  # block_sequence_ids OR-ed on: prefix-LM if they form a prefix
+    blocks_window: int | None = None  # a sliding window AND-ed after the blocks (Gemma3's sliding layers)
+    packed: bool = False  # wrapped for packed sequences (position_ids restarting)
+
+
+def _read_mask_function(fn) -> _Overlay:
+    """Read a mask function built by transformers' ``create_*_mask`` into an ``_Overlay``; anything it
+    does not recognise exactly (a custom or_mask_function/and_mask_function) is refused."""
+    code = getattr(fn, "__code__", None)
+    if fn is masking_utils.causal_mask_function:
+        return _Overlay(causal=True)
+    if fn is masking_utils.bidirectional_mask_function:
+        return _Overlay(causal=False, keys_only=True)
+    if code is _REMAP:  # packed sequences: positions remapped per sequence, the pattern inside unchanged
+        return _Overlay(**{**_read_mask_function(_cells(fn)["mask_function"]).__dict__, "packed": True})
+    if code is _AND:
+        return _read_and(_cells(fn)["mask_functions"])
+    if code is _OR:
+        base, *extra = _cells(fn)["mask_functions"]
+        overlay = _read_mask_function(base)
+        for f in extra:
+            overlay = _read_or(overlay, f)
+        return overlay
+    raise _overlay_refused(f"{getattr(fn, '__qualname__', type(fn).__name__)} is not a transformers mask pattern")
+
+
+def _cells(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+
+def _read_and(functions) -> _Overlay:
+    """``and_masks``: one pattern restricted by window/chunk/packing overlays."""
+    restrictions = [f for f in functions if getattr(f, "__code__", None) in (_SLIDING, _SLIDING_BIDIRECTIONAL,
+                                                                           _CHUNKED, _PACKED)]
+    patterns = [f for f in functions if not any(f is r for r in restrictions)]
+    if len(patterns) != 1:
+        raise _overlay_refused("and_mask_function")
+    overlay = _read_mask_function(patterns[0])
+    for f in restrictions:
+        code, cells = f.__code__, _cells(f)
+        if code is _PACKED:
+            overlay.packed = True  # paired with the remapped pattern (packed_sequence_compatibility_function)
+        elif code is _SLIDING_BIDIRECTIONAL and overlay.keys_only and overlay.window is None:
+            pass  # |q - kv| <= w: the module's sliding_window with a bidirectional pattern gives (w, w)
+        elif code is _SLIDING and overlay.causal is True and overlay.blocks is not None:
+            overlay.blocks_window = cells["sliding_window"]  # (causal | blocks) & window: Gemma3 images
+        elif code is _SLIDING and overlay.causal is True and overlay.chunk is None and overlay.sliding is None:
+            overlay.sliding = cells["sliding_window"]
+        elif code is _CHUNKED and overlay.causal is True and overlay.blocks is None and overlay.sliding is None:
+            overlay.chunk = (cells["chunk_size"], cells["left_padding"])
+        else:
+            raise _overlay_refused("and_mask_function")
+    return overlay
+
+
+def _read_or(overlay: _Overlay, fn) -> _Overlay:
+    """``or_masks``: the overlays transformers' families OR on a causal pattern."""
+    code = getattr(fn, "__code__", None)
+    if overlay.causal is False:
+        if overlay.keys_only:  # bidirectional | anything = bidirectional, but an unknown overlay stays refused
+            _read_or(_Overlay(causal=True), fn)
+        return overlay
+    plain = overlay.causal is True and overlay.chunk is None and overlay.blocks is None and not overlay.packed
+    if code is _BLOCKWISE and overlay.causal is True and overlay.blocks is None:
+        overlay.blocks = _cells(fn)["block_sequence_ids"]
+        return overlay
+    if code is not None and _is_all_true(fn, code) and plain and overlay.sliding is None:
+        return _Overlay(causal=False)  # Gemma3 use_bidirectional_attention, full layers
+    if code is not None and _is_gemma3_window(code) and plain and overlay.sliding == _cells(fn)["sliding_window"]:
+        # (q - w < kv <= q) | |q - kv| < w == |q - kv| < w: Gemma3 use_bidirectional_attention, sliding layers
+        w = overlay.sliding
+        return _Overlay(causal=False, window=(w - 1, w - 1))
+    raise _overlay_refused(f"or_mask_function {getattr(fn, '__qualname__', type(fn).__name__)}")
+
+
+def _no_padding_marker(batch_size: int, Q: int, K: int, device, dtype, **pattern) -> torch.Tensor:
     """A ``(B, 1, 1, Q + K)`` mask without padding whose only job is to carry the mask's pattern
-    (for encoder-decoder models, whose modules do not always declare it; never on the padding-free
-    decoder-only path, which stays mask-free for torch.compile). Additive zeros in the model's
-    dtype: model code that reads a mask itself (NLLB-MoE's router) sees "nothing masked"."""
+    (``_Unpad`` fields: for encoder-decoder models, whose modules do not always declare it, and for
+    the overlays of ``_Overlay``; never on the padding-free path of plain decoder-only masks, which
+    stays mask-free for torch.compile). Additive zeros in the model's dtype: model code that reads
+    a mask itself (NLLB-MoE's router) sees "nothing masked"."""
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     mask = torch.zeros(batch_size, 1, 1, Q + K, dtype=dtype, device=device if device is not None else "cpu")
     empty = torch.empty(0, dtype=torch.int64)
-    setattr(mask, _UNPAD_ATTR, _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False))
+    setattr(mask, _UNPAD_ATTR, _Unpad(empty, empty, empty, empty, Q, K, False, (), (), padded=False, **pattern))
     return mask
+
+
+def _chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_padding):
+    """Llama 4's chunks (``chunked_overlay``: ``(position - left_padding) // C``, absolute positions, so
+    counted from each row's first real token) as varlen's (counted from the first key it is given).
+    Drops the keys before the chunk of each row's first query (no query of the row sees them), so the
+    first key kept starts that chunk. Returns the keys kept and a 0-d flag: some row's chunk ids would
+    still differ (padding between its real tokens across chunks, or a cache that lost the chunk's start)."""
+    B, K = key_valid.shape
+    dev = key_valid.device
+    C = int(chunk_size)
+    lead = torch.as_tensor(left_padding, device=dev).reshape(-1, 1)
+    key_pos = torch.arange(K, device=dev) + kv_offset - lead  # eager's positions (B, K)
+    q_pos = query_valid.to(torch.int8).argmax(1, keepdim=True) + q_offset - lead  # each row's first query
+    keep = key_valid & (key_pos.div(C, rounding_mode="floor") >= q_pos.div(C, rounding_mode="floor"))
+    far = torch.iinfo(torch.int64).max // 2
+    first = torch.where(keep, key_pos, far).amin(1)
+    last = torch.where(keep, key_pos, -far).amax(1)
+    aligned = (first % C == 0) & (last - first + 1 == keep.sum(1))  # same ids, shifted by whole chunks
+    one_chunk = first.div(C, rounding_mode="floor") == last.div(C, rounding_mode="floor")  # < C keys: one chunk
+    inexact = (query_valid.any(1) & keep.any(1) & ~aligned & ~one_chunk).any()
+    return keep, inexact
+
+
+def _prefix_lens(key_valid, blocks, kv_offset, K):
+    """PaliGemma's / Gemma3's ``block_sequence_ids`` (``blockwise_overlay``: tokens of one block, id >= 0,
+    see each other) as varlen's ``prefix_lens``: the same mask iff each row's real tokens are one block
+    then only tokens without one (-1). Returns prefix_lens int32 (B,) counted from each row's first real
+    key, a 0-d flag (some row is not such a prefix) and the longest prefix."""
+    B = key_valid.shape[0]
+    ids = blocks.to(key_valid.device)
+    if ids.shape[-1] < kv_offset + K:  # transformers pads them to the key slots with -1 itself
+        ids = torch.nn.functional.pad(ids, (0, kv_offset + K - ids.shape[-1]), value=-1)
+    g = ids[:, kv_offset:kv_offset + K].expand(B, K)
+    first = key_valid.to(torch.int8).argmax(1, keepdim=True)
+    g0 = g.gather(1, first)
+    rank = key_valid.cumsum(1) - 1  # position among the row's real keys
+    run = torch.where(key_valid & (g != g0), rank, key_valid.sum(1, keepdim=True)).amin(1, keepdim=True)
+    prefix = torch.where(g0 >= 0, run, 0)
+    not_prefix = (key_valid & (g >= 0) & (rank >= prefix)).any()
+    return prefix.view(B).to(torch.int32), not_prefix, prefix.max()
 
 
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -176,42 +337,51 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     no 2-D mask (``generate`` drops an all-ones mask for non-flash names) the valid keys are
     rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
-    evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
+    evaluated: it is read (``_read_mask_function``) for its pattern and the overlays of the module
+    docstring, which travel with the mask (a mask without padding is returned to carry them);
+    other overlays (``or_mask_function``/``and_mask_function``) are refused.
 
     ``create_bidirectional_mask`` (encoder self-attention; cross-attention, where the 2-D mask is the
     encoder's and ``q_length`` the decoder's) gets a keys-only mask instead: every query row is kept
     (as in eager), and the mask is additive ``(B, 1, 1, K)`` (0 / the dtype's min), which model code
-    that reads the mask itself can use as it uses eager's. Which pattern was asked for is read from
-    ``mask_function`` (its closures, nothing evaluated) and travels with the mask.
+    that reads the mask itself can use as it uses eager's.
     """
-    # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
-    # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
-    if use_vmap or getattr(mask_function, "__name__", "") == "or_mask":
+    if mask_function is None:
+        if use_vmap:
+            raise _overlay_refused("or_mask_function/and_mask_function")
+        overlay = _Overlay()
+    else:
+        overlay = _read_mask_function(mask_function)
+    if overlay.packed and overlay.blocks is not None:
         raise ValueError(
-            "mask_function: this model adds a custom mask overlay (or_mask_function/and_mask_function or "
-            "block_sequence_ids, e.g. bidirectional image tokens); jagged attention supports causal, "
-            "sliding-window and padding masks only -- use attn_implementation='eager' or 'sdpa' for this model"
+            "block_sequence_ids: bidirectional blocks (token_type_ids) in packed sequences: transformers numbers "
+            "them across the packed row, which jagged attention cannot express -- pad the batch instead"
         )
     config = kwargs.get("config")
-    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
-    if chunk is not None and kwargs.get("local_size") == chunk:
-        raise ValueError(
-            f"config.attention_chunk_size: chunked attention ({chunk}) is not supported by jagged attention "
-            "-- use attn_implementation='eager' or 'sdpa' for this model"
-        )
     Q, K = int(q_length), int(kv_length)
-    causal = _mask_pattern(mask_function)
+    causal, keys_only = overlay.causal, overlay.keys_only
+    chunk = overlay.chunk
+    if chunk is not None and isinstance(kv_offset, int) and kv_offset + K <= chunk[0]:
+        chunk = None  # every key slot lies in the first chunk: chunking changes nothing
+    if chunk is not None and overlay.blocks is not None:
+        raise _overlay_refused("block_sequence_ids with chunked attention")
+    pattern = dict(causal=causal, keys_only=keys_only, window=overlay.window,
+                   chunk=int(chunk[0]) if chunk is not None else None)
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
     # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
     # masks even a mask without padding is returned, as a marker that carries the pattern
     # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
-    # to its scores, keep getting None without padding)
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False))
+    # to its scores, keep getting None without padding); so are masks with overlays
+    carry = (causal is True and bool(getattr(config, "is_encoder_decoder", False))) \
+        or overlay.window is not None or chunk is not None
 
-    def no_padding():
-        return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
+    def no_padding(prefix_lens=None):
+        if not carry and prefix_lens is None:
+            return None
+        return _no_padding_marker(batch_size, Q, K, device, kwargs.get("dtype"), prefix_lens=prefix_lens, **pattern)
 
-    if attention_mask is None and (causal is False or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
+    if attention_mask is None and chunk is None and overlay.blocks is None \
+            and (keys_only or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
         # every key slot holds a real token (bidirectional masks have no cache geometry to rebuild):
         # dense path (or packed via position_ids)
         return no_padding()
@@ -234,7 +404,7 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
             valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
     key_valid = valid[:, kv_offset:total]
-    if causal is False:
+    if keys_only:
         # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
         # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
         # every query row is computed (eager computes padded encoder rows too)
@@ -242,12 +412,44 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     else:
         q_positions = torch.arange(Q, device=valid.device) + q_offset
         query_valid = valid.index_select(1, q_positions)
-    info = _unpad_from_validity(query_valid, key_valid)
+    checks = []
+    if chunk is not None:
+        key_valid, inexact = _chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
+        checks.append(inexact)
+    if overlay.blocks is not None:
+        prefix_lens, not_prefix, longest = _prefix_lens(key_valid, overlay.blocks, kv_offset, K)
+        checks += [not_prefix, longest]
+    info = _unpad_from_validity(query_valid, key_valid, checks)
+    read = list(info.checks)
+    if chunk is not None and read.pop(0):
+        raise ValueError(
+            f"attention_mask: with chunked attention (config.attention_chunk_size={chunk[0]}) a row has padding "
+            "between real tokens (e.g. a right-padded prompt continued by generate), or a cache that no longer "
+            "holds the start of its chunk: its chunks would differ from eager's. Use left padding for generation"
+        )
+    prefix_lens = None
+    if overlay.blocks is not None:
+        not_prefix, longest = read
+        if not_prefix:
+            raise ValueError(
+                "block_sequence_ids: a bidirectional block (token_type_ids: image or prefix tokens) that is not at "
+                "the start of its sequence, or several blocks; jagged attention supports one block at the start "
+                "(prefix-LM) -- use attn_implementation='eager' or 'sdpa' for these inputs"
+            )
+        if overlay.blocks_window is not None and longest > overlay.blocks_window:
+            raise ValueError(
+                f"block_sequence_ids: a bidirectional block of {longest} tokens is longer than the sliding window "
+                f"({overlay.blocks_window}) it is cut by; jagged attention's prefix is not windowed -- use "
+                "attn_implementation='eager' or 'sdpa' for these inputs"
+            )
+        prefix_lens = prefix_lens if longest > 1 else None  # a 1-token block is causal anyway
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
-        return no_padding()  # no padding after all: the dense path needs no indices
-    info.causal = causal
-    if causal is False:
+        return no_padding(prefix_lens)  # no padding after all: the dense path needs no indices
+    for name, value in pattern.items():
+        setattr(info, name, value)
+    info.prefix_lens = prefix_lens
+    if keys_only:
         # keys only: an additive (B, 1, 1, K) mask, 0 for real keys and the dtype's min for padding, which
         # model code that reads the mask itself can use as eager's (bigbird_pegasus' encoder adds it to its
         # scores, NLLB-MoE's router reads its last row); the unpadding data rides along as for every mask
@@ -339,8 +541,6 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None else None
     if info is not None and info.causal is not None:
         causal = info.causal  # the mask's pattern is what eager applies (see _Unpad.causal)
-    if info is not None and not info.padded:
-        info = None  # a marker only: no padding to remove
     window = (-1, -1)
     if sliding_window is not None:
         sw = _as_int(sliding_window, "sliding_window")
@@ -353,13 +553,22 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                    softcap=float(softcap) if softcap else 0.0)
     if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (API.md 11)
         options["sinks"] = kwargs["s_aux"]
+    if info is not None:  # the mask's overlays (see _Overlay)
+        if info.window is not None:
+            window = options["window_size"] = info.window
+        if info.chunk is not None:
+            options["chunk_size"] = info.chunk
+        if info.prefix_lens is not None:
+            options["prefix_lens"] = info.prefix_lens
+        if not info.padded:
+            info = None  # a marker only: no padding to remove
 
     q = query.transpose(1, 2)  # (B, Q, Hq, D)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
     if info is not None:
-        if info.causal is False and window != (-1, -1):
+        if info.keys_only and window != (-1, -1):
             # eager's bidirectional window |q - kv| <= w counts positions in the padded row; packed,
             # it holds only when each sequence's queries are its keys. Padded query rows then
             # output zeros (eager's see only padding), real rows equal eager's.
@@ -414,7 +623,7 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
     info = getattr(mask, _UNPAD_ATTR, None)
-    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
+    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.keys_only and mask.shape == (B, 1, 1, K))):
         return info
     if mask.dtype == torch.bool and mask.shape == (B, 1, 1, Q + K):
         flat = mask.view(B, Q + K)

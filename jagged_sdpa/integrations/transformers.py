@@ -33,6 +33,7 @@ names with "flash".
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -163,10 +164,13 @@ _ALL_TRUE = _all_true.__code__
 
 def _is_all_true(fn, code) -> bool:
     """``fn`` is ``lambda *args: torch.tensor(True, dtype=torch.bool)`` (Gemma3's bidirectional overlay):
-    the same bytecode, constants and names as ``_all_true``, no closure, this ``torch``."""
-    return fn.__closure__ is None and getattr(fn, "__globals__", {}).get("torch") is torch and all(
-        getattr(code, a) == getattr(_ALL_TRUE, a)
-        for a in ("co_code", "co_consts", "co_names", "co_flags", "co_argcount", "co_kwonlyargcount"))
+    the same bytecode, constants, names and flags as ``_all_true`` (nesting and __future__ flags aside),
+    no closure, this ``torch``."""
+    flags = 0xFFFF & ~inspect.CO_NESTED  # the __future__ flags sit above 0xFFFF
+    return fn.__closure__ is None and getattr(fn, "__globals__", {}).get("torch") is torch \
+        and code.co_flags & flags == _ALL_TRUE.co_flags & flags and all(
+            getattr(code, a) == getattr(_ALL_TRUE, a) for a in ("co_code", "co_consts", "co_names", "co_argcount",
+                                                                "co_kwonlyargcount"))
 
 
 def _is_gemma3_window(code) -> bool:
@@ -371,9 +375,11 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
     # masks even a mask without padding is returned, as a marker that carries the pattern
     # (is_encoder_decoder only: decoder-only models, is_decoder ones included, whose code may add a mask
-    # to its scores, keep getting None without padding); so are masks with overlays
-    carry = (causal is True and bool(getattr(config, "is_encoder_decoder", False))) \
-        or overlay.window is not None or chunk is not None
+    # to its scores, keep getting None without padding). So do the causal masks of configs whose modules say
+    # is_causal=False (use_bidirectional_attention: PaliGemma's Gemma sets it, its eager mask is causal
+    # nonetheless), and masks with overlays
+    declared = getattr(config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False)
+    carry = (causal is True and bool(declared)) or overlay.window is not None or chunk is not None
 
     def no_padding(prefix_lens=None):
         if not carry and prefix_lens is None:
@@ -417,7 +423,7 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         key_valid, inexact = _chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
         checks.append(inexact)
     if overlay.blocks is not None:
-        prefix_lens, not_prefix, longest = _prefix_lens(key_valid, overlay.blocks, kv_offset, K)
+        block_prefix, not_prefix, longest = _prefix_lens(key_valid, overlay.blocks, kv_offset, K)
         checks += [not_prefix, longest]
     info = _unpad_from_validity(query_valid, key_valid, checks)
     read = list(info.checks)
@@ -442,7 +448,7 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
                 f"({overlay.blocks_window}) it is cut by; jagged attention's prefix is not windowed -- use "
                 "attn_implementation='eager' or 'sdpa' for these inputs"
             )
-        prefix_lens = prefix_lens if longest > 1 else None  # a 1-token block is causal anyway
+        prefix_lens = block_prefix if longest > 1 else None  # a 1-token block is causal anyway
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
         return no_padding(prefix_lens)  # no padding after all: the dense path needs no indices

@@ -211,6 +211,23 @@ def test_llama4_chunked_generate(llama4_models, cache):
     _check_generate(eager, jagged, _texts((7, 2, 5), seed=3), cache, token_types=False)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama4_chunked_generate_without_padding(llama4_models, cache):
+    """No padding at all: the chunk travels on a marker mask, and the decode steps still drop the
+    cached keys of earlier chunks."""
+    eager, jagged = llama4_models
+    prompt = _texts((5,), seed=6)[0]["input_ids"][None]
+    greedy = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = eager.generate(prompt, **greedy)
+        past = StaticCache(config=jagged.config, max_cache_len=20) if cache == "static" else DynamicCache(
+            config=jagged.config)
+        out = jagged.generate(prompt, past_key_values=past, **greedy)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
 def test_llama4_chunked_packed_sequences(llama4_models):
     """Padding-free (DataCollatorWithFlattening): eager remaps positions per sequence, so its chunks
     start at each sequence's first token, as varlen's do. (Llama 4's layers do not hand position_ids
@@ -361,10 +378,17 @@ def test_the_hook_reads_overlays_and_refuses_others():
     m = jt.jagged_attention_mask(2, 5, 5, mask_function=masking_utils.or_masks(
         causal, masking_utils.blockwise_overlay(blocks)))
     assert getattr(m, jt._UNPAD_ATTR).prefix_lens.tolist() == [3, 0]
-    # arbitrary overlays are refused by name, whatever they compute
+    # arbitrary overlays are refused by name, whatever they compute; so are transformers' own overlays
+    # passed as and_mask_function, whose window or sequence ids the module does not know (t5gemma2, esmc)
+    ids = torch.tensor([[0, 0, 1, 1, 1]] * 2)
     for custom in (masking_utils.or_masks(causal, lambda b, h, q, kv: q >= kv),
                    masking_utils.and_masks(causal, lambda b, h, q, kv: q >= kv),
-                   masking_utils.or_masks(causal, lambda *args: torch.tensor(False))):
+                   masking_utils.or_masks(causal, lambda *args: torch.tensor(False)),
+                   masking_utils.and_masks(causal, masking_utils.sliding_window_overlay(3)),
+                   masking_utils.and_masks(masking_utils.bidirectional_mask_function,
+                                           masking_utils.sliding_window_bidirectional_overlay(2)),
+                   masking_utils.and_masks(masking_utils.bidirectional_mask_function,
+                                           masking_utils.packed_sequence_mask_function(ids))):
         with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
             jt.jagged_attention_mask(2, 5, 5, mask_function=custom, use_vmap=True)
     # blocks over a packed row are numbered across its sequences: refused

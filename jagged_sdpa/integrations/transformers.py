@@ -230,28 +230,33 @@ def _cells(fn) -> dict:
 
 
 def _read_and(functions) -> _Overlay:
-    """``and_masks``: one pattern restricted by window/chunk/packing overlays."""
-    restrictions = [f for f in functions if getattr(f, "__code__", None) in (_SLIDING, _SLIDING_BIDIRECTIONAL,
-                                                                           _CHUNKED, _PACKED)]
-    patterns = [f for f in functions if not any(f is r for r in restrictions)]
-    if len(patterns) != 1:
+    """``and_masks``: transformers' own constructions, recognised by their order -- an overlay first then
+    its pattern (``sliding_window_causal_mask_function``, ``chunked_causal_mask_function``,
+    ``sliding_window_bidirectional_mask_function``, ``packed_sequence_compatibility_function``), whose
+    window the module passes as ``sliding_window``; or a pattern then an ``and_mask_function``, of which
+    only Gemma3's window after its image blocks is known."""
+    if len(functions) != 2:
         raise _overlay_refused("and_mask_function")
-    overlay = _read_mask_function(patterns[0])
-    for f in restrictions:
-        code, cells = f.__code__, _cells(f)
-        if code is _PACKED:
-            overlay.packed = True  # paired with the remapped pattern (packed_sequence_compatibility_function)
-        elif code is _SLIDING_BIDIRECTIONAL and overlay.keys_only and overlay.window is None:
-            pass  # |q - kv| <= w: the module's sliding_window with a bidirectional pattern gives (w, w)
-        elif code is _SLIDING and overlay.causal is True and overlay.blocks is not None:
-            overlay.blocks_window = cells["sliding_window"]  # (causal | blocks) & window: Gemma3 images
-        elif code is _SLIDING and overlay.causal is True and overlay.chunk is None and overlay.sliding is None:
-            overlay.sliding = cells["sliding_window"]
-        elif code is _CHUNKED and overlay.causal is True and overlay.blocks is None and overlay.sliding is None:
-            overlay.chunk = (cells["chunk_size"], cells["left_padding"])
-        else:
-            raise _overlay_refused("and_mask_function")
-    return overlay
+    first, second = functions
+    code, cells = getattr(first, "__code__", None), _cells(first) if getattr(first, "__closure__", None) else {}
+    if code is _PACKED and getattr(second, "__code__", None) is _REMAP:
+        return _read_mask_function(second)  # packed: the remapped pattern is marked packed
+    if code is _SLIDING_BIDIRECTIONAL and second is masking_utils.bidirectional_mask_function:
+        return _Overlay(causal=False, keys_only=True)  # |q - kv| <= w: the module's window (w, w)
+    if code in (_SLIDING, _CHUNKED):
+        overlay = _read_mask_function(second)
+        if overlay.causal is True and overlay.chunk is None and overlay.sliding is None and overlay.blocks is None:
+            if code is _SLIDING:
+                overlay.sliding = cells["sliding_window"]
+            else:
+                overlay.chunk = (cells["chunk_size"], cells["left_padding"])
+            return overlay
+    if getattr(second, "__code__", None) is _SLIDING:
+        overlay = _read_mask_function(first)
+        if overlay.causal is True and overlay.blocks is not None and overlay.blocks_window is None:
+            overlay.blocks_window = _cells(second)["sliding_window"]  # (causal | blocks) & window: Gemma3 images
+            return overlay
+    raise _overlay_refused("and_mask_function")
 
 
 def _read_or(overlay: _Overlay, fn) -> _Overlay:

@@ -23,6 +23,29 @@ bidirectional) from the mask function; bidirectional masks (encoder self-attenti
 mask keys only and keep every query row, as eager does, and a known pattern overrides the module's
 ``is_causal`` (eager applies the mask whatever the module declares).
 
+Mask overlays (API.md section 11). The mask hook reads transformers' ``mask_function`` (its closures and
+code objects, ``_read_mask_function``; nothing is evaluated) and carries what it finds with the mask to
+``varlen_attention``'s options; a mask without padding is then returned anyway, as a marker. Each equals
+"eager" on every sequence alone (tests/test_transformers_overlays.py):
+
+- Llama 4 chunked layers (``chunked_overlay``): ``chunk_size``. Eager numbers chunks from each row's
+  first real token (absolute position minus the left padding) and its chunked layers' cache keeps the
+  last C - 1 keys, so the hook drops the keys before the chunk of each row's first query: varlen's
+  first key then starts that chunk. Padding between real tokens (or a cache that lost the chunk's
+  start) where chunks would differ is refused; a chunk covering every key slot changes nothing.
+- PaliGemma prefix-LM and Gemma3 images (``block_sequence_ids`` from ``token_type_ids``):
+  ``prefix_lens`` = the length of the block each row starts with, counted from its first real token,
+  when every later real token has no block (-1): tokens without a block change nothing (Gemma3 text
+  with ``token_type_ids``), other blocks (an image after text, several images) are refused, and so is a
+  block longer than the sliding window Gemma3 applies after it, and blocks in packed rows.
+- Gemma3 ``use_bidirectional_attention``: the "everything" overlay of its full layers (recognised by
+  its bytecode) makes them non-causal; its sliding layers' ``|q - kv| < w`` becomes the window
+  ``(w - 1, w - 1)`` (the module's ``sliding_window`` alone would give ``(w, w)``).
+- Configs with ``use_bidirectional_attention`` whose mask is causal (PaliGemma's Gemma: its modules
+  say ``is_causal=False``) get the causal pattern carried even without padding.
+
+Any other ``or_mask_function``/``and_mask_function`` is refused with a ``ValueError`` naming it.
+
 Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
 ``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
 

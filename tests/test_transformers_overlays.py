@@ -62,7 +62,8 @@ def gemma3_text(**kw):
 
 
 def gemma3(sliding_window=5):
-    return Gemma3Config(vision_config=SiglipVisionConfig(**VISION), text_config=gemma3_text(sliding_window=sliding_window),
+    return Gemma3Config(vision_config=SiglipVisionConfig(**VISION),
+                        text_config=gemma3_text(sliding_window=sliding_window),
                         image_token_index=IMG, mm_tokens_per_image=N_IMG, boi_token_index=125, eoi_token_index=126,
                         pad_token_id=0, initializer_range=0.3)
 
@@ -158,7 +159,8 @@ def _check_padded_batch(eager, jagged, samples, side, token_types=True, overlay_
     for n, grad in got.items():
         # fp32 sums of O(10) gradients; 5e-5: the vision tower's key biases, whose exact gradient is 0, get noise
         scale = max(1.0, ref_grads[n].abs().max().item())
-        torch.testing.assert_close(grad, ref_grads[n], rtol=1e-3, atol=5e-5 * scale, msg=lambda m, n=n: f"grad of {n}: {m}")
+        torch.testing.assert_close(grad, ref_grads[n], rtol=1e-3, atol=5e-5 * scale,
+                                   msg=lambda m, n=n: f"grad of {n}: {m}")
     jagged.zero_grad(set_to_none=True)
 
 

@@ -244,6 +244,9 @@ def test_llama4_chunked_packed_sequences(llama4_models):
         logits = jagged(**batch, use_cache=False).logits[0]
     for part, ref in zip(logits.split([len(s["input_ids"]) for s in samples]), refs):
         torch.testing.assert_close(part, ref, **TOL)
+    # position_ids alone: eager (without a cache) separates the sequences, the attention never sees them
+    with pytest.raises(ValueError, match="position_ids: eager separates the sequences packed in a row"):
+        jagged(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
 
 
 def test_llama4_padding_inside_a_row(llama4_models):

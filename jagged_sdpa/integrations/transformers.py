@@ -33,6 +33,8 @@ code objects, ``_read_mask_function``; nothing is evaluated) and carries what it
   last C - 1 keys, so the hook drops the keys before the chunk of each row's first query: varlen's
   first key then starts that chunk. Padding between real tokens (or a cache that lost the chunk's
   start) where chunks would differ is refused; a chunk covering every key slot changes nothing.
+  Packed rows: Llama 4's layers do not pass position_ids on, so they need the collator's cu_seq_lens
+  kwargs; a packed row that eager separates (no cache) without them is refused.
 - PaliGemma prefix-LM and Gemma3 images (``block_sequence_ids`` from ``token_type_ids``):
   ``prefix_lens`` = the length of the block each row starts with, counted from its first real token,
   when every later real token has no block (-1): tokens without a block change nothing (Gemma3 text
@@ -112,6 +114,7 @@ class _Unpad:
     window: tuple | None = None  # (left, right): replaces the window the module's sliding_window gives
     chunk: int | None = None  # chunk_size (API.md 11); the keys before each row's first chunk are dropped
     prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (API.md 11)
+    packed: bool = False  # eager separates packed sequences (position_ids restarting, no cache)
     checks: tuple = ()  # the ints read with the lengths (see _unpad_from_validity)
 
     def queries_as_keys(self) -> "_Unpad":
@@ -398,7 +401,7 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     if chunk is not None and overlay.blocks is not None:
         raise _overlay_refused("block_sequence_ids with chunked attention")
     pattern = dict(causal=causal, keys_only=keys_only, window=overlay.window,
-                   chunk=int(chunk[0]) if chunk is not None else None)
+                   chunk=int(chunk[0]) if chunk is not None else None, packed=overlay.packed)
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
     # decoder self-attention says is_causal=False and relies on a causal mask): for their causal
     # masks even a mask without padding is returned, as a marker that carries the pattern
@@ -587,7 +590,9 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                    softcap=float(softcap) if softcap else 0.0)
     if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (API.md 11)
         options["sinks"] = kwargs["s_aux"]
+    packed_by_eager = False
     if info is not None:  # the mask's overlays (see _Overlay)
+        packed_by_eager = info.packed
         if info.window is not None:
             window = options["window_size"] = info.window
         if info.chunk is not None:
@@ -641,6 +646,13 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         if packed is not None:
             cu_q, max_q = packed
             cu_k, max_k = cu_q, max_q
+        elif packed_by_eager:
+            # e.g. Llama 4's layers do not pass position_ids on: the boundaries eager used are not known here
+            raise ValueError(
+                "position_ids: eager separates the sequences packed in a row (position_ids restarting), but this "
+                "model does not hand position_ids to its attention; pass DataCollatorWithFlattening's "
+                "cu_seq_lens_q/k and max_length_q/k (return_flash_attn_kwargs=True), or pad the batch"
+            )
         else:  # dense: B sequences of Q queries and K keys (new queries are the last keys)
             cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
             cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=query.device)

@@ -318,11 +318,17 @@ def test_gemma3_bidirectional_padded_batch(gemma3_bidirectional_models, side):
                         overlay_off=lambda s: causal(s["input_ids"][None]).logits[0])
 
 
-def test_gemma3_bidirectional_without_padding_and_generate(gemma3_bidirectional_models):
+def test_gemma3_bidirectional_unpadded_packed_and_generate(gemma3_bidirectional_models):
     eager, jagged = gemma3_bidirectional_models
     ids = _texts((11,))[0]["input_ids"][None]
     with torch.no_grad():  # no padding: the window and the pattern travel on a marker
         torch.testing.assert_close(jagged(ids).logits, eager(ids).logits, **TOL)
+        # packed (position_ids restarting, no cache): eager remaps the overlays' positions per sequence
+        samples = _texts()
+        packed = jagged(torch.cat([s["input_ids"] for s in samples])[None], use_cache=False,
+                        position_ids=torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]).logits[0]
+        for part, s in zip(packed.split([len(s["input_ids"]) for s in samples]), samples):
+            torch.testing.assert_close(part, eager(s["input_ids"][None]).logits[0], **TOL)
     _check_generate(eager, jagged, _texts((7, 2, 5), seed=3), token_types=False, new=5)
 
 

@@ -409,3 +409,38 @@ def test_the_hook_reads_overlays_and_refuses_others():
     with pytest.raises(ValueError, match="block_sequence_ids: bidirectional blocks .* in packed sequences"):
         jt.jagged_attention_mask(1, 5, 5, mask_function=masking_utils.or_masks(
             packed, masking_utils.blockwise_overlay(torch.zeros(1, 5, dtype=torch.long))))
+
+
+# --- sliding windows over padding inside a row ----------------------------------------------------------------
+
+@pytest.mark.parametrize("family,cache", [("mistral", "sliding"), ("mistral", "full"), ("qwen2", "sliding")])
+def test_sliding_window_decoding_past_padding_inside_a_row(family, cache):
+    """A right-padded prompt batch continued token by token (a chat turn appended after the padding):
+    each short row has padding between its prompt and its new tokens, which eager's window counts.
+    Decoding (one query per row) keeps exactly the real keys of the window, so each step equals eager on
+    the same batch and cache ("sliding": transformers' sliding layers keep w - 1 keys; "full": a cache
+    without config keeps every key, and the hook drops those before the window). A forward with padding
+    inside the window of later queries stays refused."""
+    from transformers import MistralConfig, Qwen2Config
+
+    common = {k: v for k, v in TEXT.items() if k != "head_dim"}
+    cfg = MistralConfig(**common, sliding_window=4) if family == "mistral" else Qwen2Config(
+        **common, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    eager, jagged = _pair(cfg)
+    batch = _batch(_texts((7, 2, 5), seed=3), "right", token_types=False)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    caches = [DynamicCache(config=m.config) if cache == "sliding" else DynamicCache() for m in (eager, jagged)]
+    nxt = torch.randint(1, V, (3, 1), generator=torch.Generator().manual_seed(7))  # the appended turn's first token
+    with torch.no_grad():
+        for m, cache in zip((eager, jagged), caches):
+            m(ids, attention_mask=mask, past_key_values=cache)
+        for step in range(6):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            pos = mask.sum(1, keepdim=True) - 1
+            want, got = (m(nxt, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+                         for m, cache in zip((eager, jagged), caches))
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, step=step: f"step {step}: {m}")
+            nxt = want.argmax(-1, keepdim=True)
+    ids = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="attention_mask: a row has padding between real tokens inside the sliding"):
+        jagged(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1]]))

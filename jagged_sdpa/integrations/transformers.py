@@ -48,6 +48,11 @@ code objects, ``_read_mask_function``; nothing is evaluated) and carries what it
 
 Any other ``or_mask_function``/``and_mask_function`` is refused with a ``ValueError`` naming it.
 
+Causal sliding windows: the hook drops the keys before each row's first query's window (no query sees
+them), and with one query per row (decoding) the keys left are exactly its window, so the window is
+dropped: decoding past padding between real tokens (a right-padded prompt continued by a new turn)
+equals eager. Padding inside the window of several queries of a row is refused (the distances differ).
+
 Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
 ``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
 
@@ -340,6 +345,18 @@ def _chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_pa
     return keep, inexact
 
 
+def _window_keys(query_valid, key_valid, q_offset, kv_offset, window):
+    """Drop the keys that no query of the row sees through a causal sliding window (eager: kv > q - w,
+    absolute positions): those before the row's first query minus w - 1. Exact always; padding between
+    real tokens that lies before every query's window (a right-padded prompt continued by generate)
+    then no longer counts in the distances; with one query per row (decoding) the keys kept are exactly
+    its window, padding inside it or not, and the hook drops the window."""
+    K = key_valid.shape[1]
+    first_q = query_valid.to(torch.int8).argmax(1, keepdim=True) + q_offset
+    key_pos = torch.arange(K, device=key_valid.device) + kv_offset
+    return key_valid & (key_pos > first_q - int(window))
+
+
 def _prefix_lens(key_valid, blocks, kv_offset, K):
     """PaliGemma's / Gemma3's ``block_sequence_ids`` (``blockwise_overlay``: tokens of one block, id >= 0,
     see each other) as varlen's ``prefix_lens``: the same mask iff each row's real tokens are one block
@@ -450,6 +467,8 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         q_positions = torch.arange(Q, device=valid.device) + q_offset
         query_valid = valid.index_select(1, q_positions)
     checks = []
+    if overlay.sliding is not None and overlay.blocks is None:
+        key_valid = _window_keys(query_valid, key_valid, q_offset, kv_offset, overlay.sliding)
     if chunk is not None:
         key_valid, inexact = _chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
         checks.append(inexact)
@@ -480,6 +499,8 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
                 "attn_implementation='eager' or 'sdpa' for these inputs"
             )
         prefix_lens = block_prefix if longest > 1 else None  # a 1-token block is causal anyway
+    if overlay.sliding is not None and overlay.blocks is None and info.max_seqlen_q <= 1:
+        pattern["window"] = (-1, -1)  # one query per row (decoding): the keys kept are exactly its window
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
         return no_padding(prefix_lens)  # no padding after all: the dense path needs no indices
@@ -620,9 +641,9 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             info = info.queries_as_keys()
         if info.holes and window != (-1, -1):
             raise ValueError(
-                "attention_mask: a row has padding between real tokens (e.g. a right-padded prompt "
-                "continued by generate); with a sliding window the distances would differ from eager. "
-                "Use left padding for generation"
+                "attention_mask: a row has padding between real tokens inside the sliding window of several "
+                "of its queries (e.g. a prompt with padding inside it); the distances would differ from "
+                "eager. Decoding one token per row past such padding is supported"
             )
         # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
         q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)

@@ -51,8 +51,8 @@ def llama4(chunk=3):
                             num_experts_per_tok=1, no_rope_layers=[1, 0], interleave_moe_layer_step=1)
 
 
-def paligemma():
-    return PaliGemmaConfig(vision_config=SiglipVisionConfig(**VISION), text_config=GemmaConfig(**TEXT),
+def paligemma(text=None):
+    return PaliGemmaConfig(vision_config=SiglipVisionConfig(**VISION), text_config=text or GemmaConfig(**TEXT),
                            image_token_index=IMG, vocab_size=V, projection_dim=64, hidden_size=64, pad_token_id=0)
 
 
@@ -289,6 +289,19 @@ def test_paligemma_prefix_padded_batch(paligemma_models, side):
 def test_paligemma_prefix_generate(paligemma_models, cache):
     eager, jagged = paligemma_models
     _check_generate(eager, jagged, _paligemma_samples(seed=4), cache, new=6)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_paligemma2_prefix_longer_than_the_sliding_window(side):
+    """PaliGemma 2 (Gemma2 text: sliding layers, softcap): its sliding mask ORs the prefix block on the
+    windowed causal pattern, so prefix tokens see the whole prefix even beyond the window (3 here),
+    as varlen's prefix_lens do."""
+    from transformers import Gemma2Config
+
+    text = Gemma2Config(**TEXT, sliding_window=3, query_pre_attn_scalar=16, attn_logit_softcapping=2.0)
+    eager, jagged = _pair(paligemma(text), AutoModelForImageTextToText)
+    _check_padded_batch(eager, jagged, _paligemma_samples(), side,
+                        overlay_off=lambda s: eager(s["input_ids"][None], pixel_values=s["pixel_values"]).logits[0])
 
 
 def test_paligemma_block_not_at_the_start_is_refused(paligemma_models):

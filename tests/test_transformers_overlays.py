@@ -412,7 +412,10 @@ def test_the_hook_reads_overlays_and_refuses_others():
                    masking_utils.and_masks(masking_utils.bidirectional_mask_function,
                                            masking_utils.sliding_window_bidirectional_overlay(2)),
                    masking_utils.and_masks(masking_utils.bidirectional_mask_function,
-                                           masking_utils.packed_sequence_mask_function(ids))):
+                                           masking_utils.packed_sequence_mask_function(ids)),
+                   # an OR on a bidirectional window reaches past it (even a known overlay)
+                   masking_utils.or_masks(masking_utils.sliding_window_bidirectional_mask_function(2),
+                                          masking_utils.blockwise_overlay(ids))):
         with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
             jt.jagged_attention_mask(2, 5, 5, mask_function=custom, use_vmap=True)
     # blocks over a packed row are numbered across its sequences: refused

@@ -227,6 +227,7 @@ class _Overlay:
 
     causal: bool | None = None  # the effective pattern: True causal, False bidirectional, None unknown
     keys_only: bool = False  # built on bidirectional_mask_function (create_bidirectional_mask)
+    windowed: bool = False  # a bidirectional sliding_window_bidirectional_overlay (the module passes it)
     sliding: int | None = None  # a causal sliding_window_overlay (the module passes the same window)
     window: tuple | None = None  # a window that replaces the module's (Gemma3: |q - kv| < w -> (w-1, w-1))
     chunk: tuple | None = None  # (chunk_size, left_padding) of chunked_overlay (Llama 4)
@@ -273,7 +274,7 @@ def _read_and(functions) -> _Overlay:
     if code is _PACKED and getattr(second, "__code__", None) is _REMAP:
         return _read_mask_function(second)  # packed: the remapped pattern is marked packed
     if code is _SLIDING_BIDIRECTIONAL and second is masking_utils.bidirectional_mask_function:
-        return _Overlay(causal=False, keys_only=True)  # |q - kv| <= w: the module's window (w, w)
+        return _Overlay(causal=False, keys_only=True, windowed=True)  # |q - kv| <= w: the module's (w, w)
     if code in (_SLIDING, _CHUNKED):
         overlay = _read_mask_function(second)
         if overlay.causal is True and overlay.chunk is None and overlay.sliding is None and overlay.blocks is None:
@@ -294,8 +295,10 @@ def _read_or(overlay: _Overlay, fn) -> _Overlay:
     """``or_masks``: the overlays transformers' families OR on a causal pattern."""
     code = getattr(fn, "__code__", None)
     if overlay.causal is False:
-        if overlay.keys_only:  # bidirectional | anything = bidirectional, but an unknown overlay stays refused
-            _read_or(_Overlay(causal=True), fn)
+        if overlay.windowed or overlay.window is not None:  # an OR would reach past the window
+            raise _overlay_refused(f"or_mask_function {getattr(fn, '__qualname__', type(fn).__name__)} on a "
+                                   "bidirectional sliding window")
+        _read_or(_Overlay(causal=True), fn)  # bidirectional | anything = bidirectional; unknown ones stay refused
         return overlay
     plain = overlay.causal is True and overlay.chunk is None and overlay.blocks is None and not overlay.packed
     if code is _BLOCKWISE and overlay.causal is True and overlay.blocks is None:

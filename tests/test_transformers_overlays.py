@@ -250,7 +250,8 @@ def test_llama4_chunked_packed_sequences(llama4_models):
 
 
 def test_llama4_padding_inside_a_row(llama4_models):
-    """Padding between real tokens: eager's chunk positions count it. Refused where chunks would differ;
+    """Padding between real tokens: eager's chunk positions count it. Refused where the chunks of several
+    queries would differ (decoding past it: test_decoding_past_padding_inside_a_row);
     a chunk at least as long as every key changes nothing and is not refused (equal to eager's batch)."""
     eager, jagged = llama4_models
     ids = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
@@ -429,19 +430,22 @@ def test_the_hook_reads_overlays_and_refuses_others():
 
 # --- sliding windows over padding inside a row ----------------------------------------------------------------
 
-@pytest.mark.parametrize("family,cache", [("mistral", "sliding"), ("mistral", "full"), ("qwen2", "sliding")])
-def test_sliding_window_decoding_past_padding_inside_a_row(family, cache):
+@pytest.mark.parametrize("family,cache", [("mistral", "sliding"), ("mistral", "full"), ("qwen2", "sliding"),
+                                          ("llama4", "sliding"), ("llama4", "full")])
+def test_decoding_past_padding_inside_a_row(family, cache):
     """A right-padded prompt batch continued token by token (a chat turn appended after the padding):
     each short row has padding between its prompt and its new tokens, which eager's window counts.
     Decoding (one query per row) keeps exactly the real keys of the window, so each step equals eager on
     the same batch and cache ("sliding": transformers' sliding layers keep w - 1 keys; "full": a cache
-    without config keeps every key, and the hook drops those before the window). A forward with padding
-    inside the window of later queries stays refused."""
+    without config keeps every key, and the hook drops those before the window). The same for Llama 4's
+    chunks (eager's chunk positions count the padding too). A forward with padding inside the window or
+    chunks of later queries stays refused."""
     from transformers import MistralConfig, Qwen2Config
 
     common = {k: v for k, v in TEXT.items() if k != "head_dim"}
-    cfg = MistralConfig(**common, sliding_window=4) if family == "mistral" else Qwen2Config(
-        **common, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    cfg = {"mistral": lambda: MistralConfig(**common, sliding_window=4),
+           "qwen2": lambda: Qwen2Config(**common, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+           "llama4": lambda: llama4(chunk=4)}[family]()  # chunk 4: the 5-token row's first step has a hole
     eager, jagged = _pair(cfg)
     batch = _batch(_texts((7, 2, 5), seed=3), "right", token_types=False)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -458,5 +462,6 @@ def test_sliding_window_decoding_past_padding_inside_a_row(family, cache):
             torch.testing.assert_close(got, want, **TOL, msg=lambda m, step=step: f"step {step}: {m}")
             nxt = want.argmax(-1, keepdim=True)
     ids = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
-    with pytest.raises(ValueError, match="attention_mask: a row has padding between real tokens inside the sliding"):
+    with pytest.raises(ValueError, match="attention_mask: (a row has padding between real tokens inside the "
+                                         "sliding|with chunked attention)"):
         jagged(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1]]))

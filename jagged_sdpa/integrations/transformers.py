@@ -32,7 +32,8 @@ code objects, ``_read_mask_function``; nothing is evaluated) and carries what it
   first real token (absolute position minus the left padding) and its chunked layers' cache keeps the
   last C - 1 keys, so the hook drops the keys before the chunk of each row's first query: varlen's
   first key then starts that chunk. Padding between real tokens (or a cache that lost the chunk's
-  start) where chunks would differ is refused; a chunk covering every key slot changes nothing.
+  start) where the chunks of several queries would differ is refused (decoding one token per row past
+  it is exact: the keys kept are its chunk); a chunk covering every key slot changes nothing.
   Packed rows: Llama 4's layers do not pass position_ids on, so they need the collator's cu_seq_lens
   kwargs; a packed row that eager separates (no cache) without them is refused.
 - PaliGemma prefix-LM and Gemma3 images (``block_sequence_ids`` from ``token_type_ids``):
@@ -330,7 +331,7 @@ def _chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_pa
     """Llama 4's chunks (``chunked_overlay``: ``(position - left_padding) // C``, absolute positions, so
     counted from each row's first real token) as varlen's (counted from the first key it is given).
     Drops the keys before the chunk of each row's first query (no query of the row sees them), so the
-    first key kept starts that chunk. Returns the keys kept and a 0-d flag: some row's chunk ids would
+    first key kept starts that chunk (with one query per row, the keys kept are exactly its chunk). Returns the keys kept and a 0-d flag: some row's chunk ids would
     still differ (padding between its real tokens across chunks, or a cache that lost the chunk's start)."""
     B, K = key_valid.shape
     dev = key_valid.device
@@ -483,9 +484,13 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     if chunk is not None and read.pop(0):
         raise ValueError(
             f"attention_mask: with chunked attention (config.attention_chunk_size={chunk[0]}) a row has padding "
-            "between real tokens (e.g. a right-padded prompt continued by generate), or a cache that no longer "
-            "holds the start of its chunk: its chunks would differ from eager's. Use left padding for generation"
+            "between real tokens where several of its queries' chunks would count it (e.g. a prompt with padding "
+            "inside it), or a cache that no longer holds the start of its chunk: its chunks would differ from "
+            "eager's. Decoding one token per row past such padding is supported"
         )
+    if chunk is not None and info.max_seqlen_q <= 1:
+        # one query per row (decoding): the keys kept are exactly its chunk, so no chunk option (any kernel runs)
+        pattern["chunk"] = None
     prefix_lens = None
     if overlay.blocks is not None:
         not_prefix, longest = read

@@ -317,14 +317,14 @@ def test_bad_masks_are_refused(models):
         jt.jagged_attention_forward(attn, q, kv, kv, None, sliding_window=0)
     with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
         jt.jagged_attention_mask(2, 5, 5, attention_mask=None, use_vmap=True)
-    blockwise = masking_utils.or_masks(masking_utils.causal_mask_function,
-                                       masking_utils.blockwise_overlay(torch.zeros(2, 5, dtype=torch.long)))
-    with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
+    # bidirectional blocks are a prefix-LM only at the start of a sequence (tests/test_transformers_overlays.py)
+    blocks = torch.tensor([[-1, 0, 0, -1, -1]] * 2)
+    blockwise = masking_utils.or_masks(masking_utils.causal_mask_function, masking_utils.blockwise_overlay(blocks))
+    with pytest.raises(ValueError, match="block_sequence_ids: a bidirectional block"):
         jt.jagged_attention_mask(2, 5, 5, mask_function=blockwise, attention_mask=None)
-    chunked = LlamaConfig(**COMMON)
-    chunked.attention_chunk_size = 4
-    with pytest.raises(ValueError, match="config.attention_chunk_size: chunked attention"):
-        jt.jagged_attention_mask(2, 5, 5, attention_mask=None, config=chunked, local_size=4)
+    custom = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv == 0)
+    with pytest.raises(ValueError, match="mask_function: this model adds a custom mask overlay"):
+        jt.jagged_attention_mask(2, 5, 5, mask_function=custom, attention_mask=None, use_vmap=True)
 
 
 def test_register_is_idempotent_and_returns_the_name():

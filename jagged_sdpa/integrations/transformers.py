@@ -30,6 +30,37 @@ own eager mask instead, carrying the same unpadding data. What jagged attention 
 with a ValueError at the first call: an indexer's top-k ``indices``, compressed-KV layers
 (``config.compress_rates``), a 4-D mask the model computed or edited itself.
 
+Mask overlays (API.md section 11). The mask hook reads transformers' ``mask_function`` (its closures and
+code objects, ``_read_mask_function``; nothing is evaluated) and carries what it finds with the mask to
+``varlen_attention``'s options; a mask without padding is then returned anyway, as a marker. Each equals
+"eager" on every sequence alone (tests/test_transformers_overlays.py):
+
+- Llama 4 chunked layers (``chunked_overlay``): ``chunk_size``. Eager numbers chunks from each row's
+  first real token (absolute position minus the left padding) and its chunked layers' cache keeps the
+  last C - 1 keys, so the hook drops the keys before the chunk of each row's first query: varlen's
+  first key then starts that chunk. Padding between real tokens (or a cache that lost the chunk's
+  start) where the chunks of several queries would differ is refused (decoding one token per row past
+  it is exact: the keys kept are its chunk); a chunk covering every key slot changes nothing.
+  Packed rows: Llama 4's layers do not pass position_ids on, so they need the collator's cu_seq_lens
+  kwargs; a packed row that eager separates (no cache) without them is refused.
+- PaliGemma prefix-LM and Gemma3 images (``block_sequence_ids`` from ``token_type_ids``):
+  ``prefix_lens`` = the length of the block each row starts with, counted from its first real token,
+  when every later real token has no block (-1): tokens without a block change nothing (Gemma3 text
+  with ``token_type_ids``), other blocks (an image after text, several images) are refused, and so is a
+  block longer than the sliding window Gemma3 applies after it, and blocks in packed rows.
+- Gemma3 ``use_bidirectional_attention``: the "everything" overlay of its full layers (recognised by
+  its bytecode) makes them non-causal; its sliding layers' ``|q - kv| < w`` becomes the window
+  ``(w - 1, w - 1)`` (the module's ``sliding_window`` alone would give ``(w, w)``).
+- Configs with ``use_bidirectional_attention`` whose mask is causal (PaliGemma's Gemma: its modules
+  say ``is_causal=False``) get the causal pattern carried even without padding.
+
+Any other ``or_mask_function``/``and_mask_function`` is refused with a ``ValueError`` naming it.
+
+Causal sliding windows: the hook drops the keys before each row's first query's window (no query sees
+them), and with one query per row (decoding) the keys left are exactly its window, so the window is
+dropped: decoding past padding between real tokens (a right-padded prompt continued by a new turn)
+equals eager. Padding inside the window of several queries of a row is refused (the distances differ).
+
 Continuous batching (``generate_batch``): ``enable_continuous_batching()`` puts
 ``continuous_batching_sdpa_forward`` in transformers' "sdpa" entry (see the end of this module).
 
@@ -40,8 +71,10 @@ names with "flash".
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
+import types
 import weakref
 from dataclasses import dataclass
 
@@ -49,7 +82,8 @@ import torch
 
 try:
     import transformers as _transformers  # noqa: F401  (the real package: absolute import)
-    from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
+    from transformers import masking_utils
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 except ImportError as _err:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
@@ -87,7 +121,15 @@ class _Unpad:
     # None (unknown: a 2-D mask read directly). Eager applies the mask whatever the module's
     # is_causal says, so a known pattern overrides it (bigbird_pegasus' decoder declares is_causal=False)
     causal: bool | None = None
-    padded: bool = True  # False: a marker without padding, only there to carry ``causal``
+    padded: bool = True  # False: a marker without padding, only there to carry the pattern
+    # keys only (create_bidirectional_mask: encoder self-attention, cross-attention): every query row is kept
+    keys_only: bool = False
+    # what the mask's overlays add (see _Overlay): they replace or join the module's own options
+    window: tuple | None = None  # (left, right): replaces the window the module's sliding_window gives
+    chunk: int | None = None  # chunk_size (API.md 11); the keys before each row's first chunk are dropped
+    prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (API.md 11)
+    packed: bool = False  # eager separates packed sequences (position_ids restarting, no cache)
+    checks: tuple = ()  # the ints read with the lengths (see _unpad_from_validity)
 
     def queries_as_keys(self) -> "_Unpad":
         """The same batch with the valid keys as the only queries (self-attention): what a
@@ -96,13 +138,15 @@ class _Unpad:
         view = self.__dict__.get("_as_keys")
         if view is None:
             view = _Unpad(self.indices_k, self.indices_k, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
-                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal)
+                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal,
+                          keys_only=self.keys_only)
             self.__dict__["_as_keys"] = view
         return view
 
 
-def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> _Unpad:
-    """Unpadding data from bool (B, Q) / (B, K) validity, with one host read for the ints."""
+def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, checks=()) -> _Unpad:
+    """Unpadding data from bool (B, Q) / (B, K) validity, with one host read for the ints (and for
+    the 0-d int ``checks`` the mask's overlays need, returned in ``checks``)."""
     lens_q = query_valid.sum(1, dtype=torch.int32)
     lens_k = key_valid.sum(1, dtype=torch.int32)
     K = key_valid.shape[1]
@@ -114,8 +158,9 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
     else:
         holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
     zero = lens_q.new_zeros(1)
-    max_q, max_k, has_holes = torch.stack(
+    max_q, max_k, has_holes, *checked = torch.stack(
         [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32)]
+        + [c.to(torch.int32) for c in checks]
     ).tolist()
     pad = torch.nn.functional.pad
     indices_q = query_valid.flatten().nonzero().flatten()
@@ -131,63 +176,221 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor) -> 
         holes=bool(has_holes),
         rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
         rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
+        checks=tuple(checked),
     )
 
 
-def _mask_functions(mask_function):
-    """``mask_function`` and every function in its closures (``and_masks``/``sliding_window_*``/packed
-    wrappers), each once; nothing is evaluated."""
-    stack, seen = [mask_function], set()
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        yield fn
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, (tuple, list)):
-                stack.extend(v for v in value if callable(v))
-            elif callable(value):
-                stack.append(value)
+def _inner_code(factory, name="inner_mask"):
+    """The code object of the mask function ``factory`` returns: every function it makes shares it."""
+    return next(c for c in factory.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
 
 
-def _mask_pattern(mask_function) -> bool | None:
-    """True if transformers built ``mask_function`` on its causal pattern, False on its bidirectional
-    one (encoder self-attention, cross-attention), None if neither or both are found."""
-    found = set()
-    for fn in _mask_functions(mask_function):
-        if fn is causal_mask_function:
-            found.add(True)
-        elif fn is bidirectional_mask_function:
-            found.add(False)
-    return found.pop() if len(found) == 1 else None
+_AND, _OR = _inner_code(masking_utils.and_masks, "and_mask"), _inner_code(masking_utils.or_masks, "or_mask")
+_SLIDING = _inner_code(masking_utils.sliding_window_overlay)
+_SLIDING_BIDIRECTIONAL = _inner_code(masking_utils.sliding_window_bidirectional_overlay)
+_CHUNKED = _inner_code(masking_utils.chunked_overlay)
+_BLOCKWISE = _inner_code(masking_utils.blockwise_overlay)
+_PACKED = _inner_code(masking_utils.packed_sequence_mask_function)
+_REMAP = _inner_code(masking_utils.remap_positions_for_packed_sequence)
+_GEMMA3 = "transformers.models.gemma3.modeling_gemma3"
 
 
-def _is_packed(mask_function) -> bool:
-    """Whether transformers wrapped ``mask_function`` for packed sequences (``position_ids`` restarting)."""
-    return any(getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function")
-               for fn in _mask_functions(mask_function))
+def _all_true(*args):  # the shape of Gemma3's "everything" overlay: lambda *args: torch.tensor(True, ...)
+    return torch.tensor(True, dtype=torch.bool)
 
 
-def _no_padding_marker(batch_size: int, Q: int, K: int, causal: bool | None, device, dtype) -> torch.Tensor:
+_ALL_TRUE = _all_true.__code__
+
+
+def _is_all_true(fn, code) -> bool:
+    """``fn`` is ``lambda *args: torch.tensor(True, dtype=torch.bool)`` (Gemma3's bidirectional overlay):
+    the same bytecode, constants, names and flags as ``_all_true`` (nesting and __future__ flags aside),
+    no closure, this ``torch``."""
+    flags = 0xFFFF & ~inspect.CO_NESTED  # the __future__ flags sit above 0xFFFF
+    return fn.__closure__ is None and getattr(fn, "__globals__", {}).get("torch") is torch \
+        and code.co_flags & flags == _ALL_TRUE.co_flags & flags and all(
+            getattr(code, a) == getattr(_ALL_TRUE, a) for a in ("co_code", "co_consts", "co_names", "co_argcount",
+                                                                "co_kwonlyargcount"))
+
+
+def _is_gemma3_window(code) -> bool:
+    """Gemma3's ``_bidirectional_window_overlay`` (``|q - kv| < sliding_window``): its module is loaded
+    whenever a Gemma3 model made one."""
+    module = sys.modules.get(_GEMMA3)
+    return module is not None and code is _inner_code(module._bidirectional_window_overlay)
+
+
+def _overlay_refused(what: str) -> ValueError:
+    return ValueError(
+        f"mask_function: this model adds a custom mask overlay ({what}); jagged attention supports causal, "
+        "sliding-window and padding masks, Llama 4's chunked attention, prefix-LM blocks (PaliGemma, Gemma3 "
+        "images at the start of a sequence) and Gemma3's bidirectional attention only -- use "
+        "attn_implementation='eager' or 'sdpa' for this model"
+    )
+
+
+@dataclass
+class _Overlay:
+    """The pattern transformers' ``mask_function`` describes, read from its closures (nothing is
+    evaluated): the base pattern and what its overlays add, in terms of varlen_attention's options."""
+
+    causal: bool | None = None  # the effective pattern: True causal, False bidirectional, None unknown
+    keys_only: bool = False  # built on bidirectional_mask_function (create_bidirectional_mask)
+    windowed: bool = False  # a bidirectional sliding_window_bidirectional_overlay (the module passes it)
+    sliding: int | None = None  # a causal sliding_window_overlay (the module passes the same window)
+    window: tuple | None = None  # a window that replaces the module's (Gemma3: |q - kv| < w -> (w-1, w-1))
+    chunk: tuple | None = None  # (chunk_size, left_padding) of chunked_overlay (Llama 4)
+    blocks: torch.Tensor | None = None  # block_sequence_ids OR-ed on: prefix-LM if they form a prefix
+    blocks_window: int | None = None  # a sliding window AND-ed after the blocks (Gemma3's sliding layers)
+    packed: bool = False  # wrapped for packed sequences (position_ids restarting)
+
+
+def _read_mask_function(fn) -> _Overlay:
+    """Read a mask function built by transformers' ``create_*_mask`` into an ``_Overlay``; anything it
+    does not recognise exactly (a custom or_mask_function/and_mask_function) is refused."""
+    code = getattr(fn, "__code__", None)
+    if fn is masking_utils.causal_mask_function:
+        return _Overlay(causal=True)
+    if fn is masking_utils.bidirectional_mask_function:
+        return _Overlay(causal=False, keys_only=True)
+    if code is _REMAP:  # packed sequences: positions remapped per sequence, the pattern inside unchanged
+        return _Overlay(**{**_read_mask_function(_cells(fn)["mask_function"]).__dict__, "packed": True})
+    if code is _AND:
+        return _read_and(_cells(fn)["mask_functions"])
+    if code is _OR:
+        base, *extra = _cells(fn)["mask_functions"]
+        overlay = _read_mask_function(base)
+        for f in extra:
+            overlay = _read_or(overlay, f)
+        return overlay
+    raise _overlay_refused(f"{getattr(fn, '__qualname__', type(fn).__name__)} is not a transformers mask pattern")
+
+
+def _cells(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+
+def _read_and(functions) -> _Overlay:
+    """``and_masks``: transformers' own constructions, recognised by their order -- an overlay first then
+    its pattern (``sliding_window_causal_mask_function``, ``chunked_causal_mask_function``,
+    ``sliding_window_bidirectional_mask_function``, ``packed_sequence_compatibility_function``), whose
+    window the module passes as ``sliding_window``; or a pattern then an ``and_mask_function``, of which
+    only Gemma3's window after its image blocks is known."""
+    if len(functions) != 2:
+        raise _overlay_refused("and_mask_function")
+    first, second = functions
+    code, cells = getattr(first, "__code__", None), _cells(first) if getattr(first, "__closure__", None) else {}
+    if code is _PACKED and getattr(second, "__code__", None) is _REMAP:
+        return _read_mask_function(second)  # packed: the remapped pattern is marked packed
+    if code is _SLIDING_BIDIRECTIONAL and second is masking_utils.bidirectional_mask_function:
+        return _Overlay(causal=False, keys_only=True, windowed=True)  # |q - kv| <= w: the module's (w, w)
+    if code in (_SLIDING, _CHUNKED):
+        overlay = _read_mask_function(second)
+        if overlay.causal is True and overlay.chunk is None and overlay.sliding is None and overlay.blocks is None:
+            if code is _SLIDING:
+                overlay.sliding = cells["sliding_window"]
+            else:
+                overlay.chunk = (cells["chunk_size"], cells["left_padding"])
+            return overlay
+    if getattr(second, "__code__", None) is _SLIDING:
+        overlay = _read_mask_function(first)
+        if overlay.causal is True and overlay.blocks is not None and overlay.blocks_window is None:
+            overlay.blocks_window = _cells(second)["sliding_window"]  # (causal | blocks) & window: Gemma3 images
+            return overlay
+    raise _overlay_refused("and_mask_function")
+
+
+def _read_or(overlay: _Overlay, fn) -> _Overlay:
+    """``or_masks``: the overlays transformers' families OR on a causal pattern."""
+    code = getattr(fn, "__code__", None)
+    if overlay.causal is False:
+        if overlay.windowed or overlay.window is not None:  # an OR would reach past the window
+            raise _overlay_refused(f"or_mask_function {getattr(fn, '__qualname__', type(fn).__name__)} on a "
+                                   "bidirectional sliding window")
+        _read_or(_Overlay(causal=True), fn)  # bidirectional | anything = bidirectional; unknown ones stay refused
+        return overlay
+    plain = overlay.causal is True and overlay.chunk is None and overlay.blocks is None and not overlay.packed
+    if code is _BLOCKWISE and overlay.causal is True and overlay.blocks is None:
+        overlay.blocks = _cells(fn)["block_sequence_ids"]
+        return overlay
+    if code is not None and _is_all_true(fn, code) and plain and overlay.sliding is None:
+        return _Overlay(causal=False)  # Gemma3 use_bidirectional_attention, full layers
+    if code is not None and _is_gemma3_window(code) and plain and overlay.sliding == _cells(fn)["sliding_window"]:
+        # (q - w < kv <= q) | |q - kv| < w == |q - kv| < w: Gemma3 use_bidirectional_attention, sliding layers
+        w = overlay.sliding
+        return _Overlay(causal=False, window=(w - 1, w - 1))
+    raise _overlay_refused(f"or_mask_function {getattr(fn, '__qualname__', type(fn).__name__)}")
+
+
+def _no_padding_marker(batch_size: int, Q: int, K: int, device, dtype, **pattern) -> torch.Tensor:
     """A ``(B, 1, 1, Q + K)`` mask without padding whose only job is to carry the mask's pattern
-    (for encoder-decoder models, whose modules do not always declare it; never on the padding-free
-    decoder-only path, which stays mask-free for torch.compile). Additive zeros in the model's
-    dtype: model code that reads a mask itself (NLLB-MoE's router) sees "nothing masked"."""
+    (``_Unpad`` fields: for encoder-decoder models, whose modules do not always declare it, and for
+    the overlays of ``_Overlay``; never on the padding-free path of plain decoder-only masks, which
+    stays mask-free for torch.compile). Additive zeros in the model's dtype: model code that reads
+    a mask itself (NLLB-MoE's router) sees "nothing masked"."""
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     mask = torch.zeros(batch_size, 1, 1, Q + K, dtype=dtype, device=device if device is not None else "cpu")
-    setattr(mask, _UNPAD_ATTR, _marker_info(Q, K, causal))
+    setattr(mask, _UNPAD_ATTR, _marker_info(Q, K, **pattern))
     return mask
 
 
-def _marker_info(Q: int, K: int, causal: bool | None) -> _Unpad:
-    """Unpadding data of a mask without padding: only the pattern (see ``_Unpad.causal``)."""
+def _marker_info(Q: int, K: int, **pattern) -> _Unpad:
+    """Unpadding data of a mask without padding: only the pattern (``_Unpad``'s pattern fields)."""
     empty = torch.empty(0, dtype=torch.int64)
-    return _Unpad(empty, empty, empty, empty, Q, K, False, (), (), causal=causal, padded=False)
+    return _Unpad(empty, empty, empty, empty, Q, K, False, (), (), padded=False, **pattern)
+
+
+def _chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_padding):
+    """Llama 4's chunks (``chunked_overlay``: ``(position - left_padding) // C``, absolute positions, so
+    counted from each row's first real token) as varlen's (counted from the first key it is given).
+    Drops the keys before the chunk of each row's first query (no query of the row sees them), so the
+    first key kept starts that chunk (with one query per row, the keys kept are exactly its chunk). Returns the keys kept and a 0-d flag: some row's chunk ids would
+    still differ (padding between its real tokens across chunks, or a cache that lost the chunk's start)."""
+    B, K = key_valid.shape
+    dev = key_valid.device
+    C = int(chunk_size)
+    lead = torch.as_tensor(left_padding, device=dev).reshape(-1, 1)
+    key_pos = torch.arange(K, device=dev) + kv_offset - lead  # eager's positions (B, K)
+    q_pos = query_valid.to(torch.int8).argmax(1, keepdim=True) + q_offset - lead  # each row's first query
+    keep = key_valid & (key_pos.div(C, rounding_mode="floor") >= q_pos.div(C, rounding_mode="floor"))
+    far = torch.iinfo(torch.int64).max // 2
+    first = torch.where(keep, key_pos, far).amin(1)
+    last = torch.where(keep, key_pos, -far).amax(1)
+    aligned = (first % C == 0) & (last - first + 1 == keep.sum(1))  # same ids, shifted by whole chunks
+    one_chunk = first.div(C, rounding_mode="floor") == last.div(C, rounding_mode="floor")  # < C keys: one chunk
+    inexact = (query_valid.any(1) & keep.any(1) & ~aligned & ~one_chunk).any()
+    return keep, inexact
+
+
+def _window_keys(query_valid, key_valid, q_offset, kv_offset, window):
+    """Drop the keys that no query of the row sees through a causal sliding window (eager: kv > q - w,
+    absolute positions): those before the row's first query minus w - 1. Exact always; padding between
+    real tokens that lies before every query's window (a right-padded prompt continued by generate)
+    then no longer counts in the distances; with one query per row (decoding) the keys kept are exactly
+    its window, padding inside it or not, and the hook drops the window."""
+    K = key_valid.shape[1]
+    first_q = query_valid.to(torch.int8).argmax(1, keepdim=True) + q_offset
+    key_pos = torch.arange(K, device=key_valid.device) + kv_offset
+    return key_valid & (key_pos > first_q - int(window))
+
+
+def _prefix_lens(key_valid, blocks, kv_offset, K):
+    """PaliGemma's / Gemma3's ``block_sequence_ids`` (``blockwise_overlay``: tokens of one block, id >= 0,
+    see each other) as varlen's ``prefix_lens``: the same mask iff each row's real tokens are one block
+    then only tokens without one (-1). Returns prefix_lens int32 (B,) counted from each row's first real
+    key, a 0-d flag (some row is not such a prefix) and the longest prefix."""
+    B = key_valid.shape[0]
+    ids = blocks.to(key_valid.device)
+    if ids.shape[-1] < kv_offset + K:  # transformers pads them to the key slots with -1 itself
+        ids = torch.nn.functional.pad(ids, (0, kv_offset + K - ids.shape[-1]), value=-1)
+    g = ids[:, kv_offset:kv_offset + K].expand(B, K)
+    first = key_valid.to(torch.int8).argmax(1, keepdim=True)
+    g0 = g.gather(1, first)
+    rank = key_valid.cumsum(1) - 1  # position among the row's real keys
+    run = torch.where(key_valid & (g != g0), rank, key_valid.sum(1, keepdim=True)).amin(1, keepdim=True)
+    prefix = torch.where(g0 >= 0, run, 0)
+    not_prefix = (key_valid & (g >= 0) & (rank >= prefix)).any()
+    return prefix.view(B).to(torch.int32), not_prefix, prefix.max()
 
 
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -202,12 +405,22 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
         # included); a jagged attention call, should one come, refuses a mask without unpadding data
         return _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                            use_vmap, device, **kwargs)
-    mask = _compact_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                                   attention_mask, use_vmap, device, **kwargs)
-    if not _model_reads_mask(kwargs.get("config"), mask_function, kwargs):
+    overlay = _overlay_of(mask_function, use_vmap)
+    mask = _compact_attention_mask(overlay, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                                   device, **kwargs)
+    if not _model_reads_mask(kwargs.get("config"), overlay, kwargs):
         return mask
-    return _with_eager_layout(mask, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+    return _with_eager_layout(mask, overlay, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                               attention_mask, use_vmap, device, **kwargs)
+
+
+def _overlay_of(mask_function, use_vmap) -> _Overlay:
+    """The pattern of the hook's ``mask_function`` (``_read_mask_function``); none given: unknown."""
+    if mask_function is None:
+        if use_vmap:
+            raise _overlay_refused("or_mask_function/and_mask_function")
+        return _Overlay()
+    return _read_mask_function(mask_function)
 
 
 def _refuse_compressed_layers(config) -> None:
@@ -224,7 +437,7 @@ def _refuse_compressed_layers(config) -> None:
         )
 
 
-def _model_reads_mask(config, mask_function, kwargs) -> bool:
+def _model_reads_mask(config, overlay: _Overlay, kwargs) -> bool:
     """Whether the model's own code uses the mask, not only hands it to the attention function:
 
     - the caller asked for a materialized mask (``allow_is_causal_skip=False``, or
@@ -238,9 +451,8 @@ def _model_reads_mask(config, mask_function, kwargs) -> bool:
     - the family's modeling module does not use transformers' attention-function registry
       (``_family_computes_attention``): its own attention code adds the mask to its scores as eager's.
     """
-    pattern = _mask_pattern(mask_function)
-    skip = kwargs.get("allow_is_bidirectional_skip" if pattern is False else "allow_is_causal_skip", True)
-    if skip is False and not _is_packed(mask_function):
+    skip = kwargs.get("allow_is_bidirectional_skip" if overlay.keys_only else "allow_is_causal_skip", True)
+    if skip is False and not overlay.packed:
         return True
     if config is None:
         return False
@@ -315,7 +527,7 @@ def _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
                       device=device if device is not None else "cpu", **kwargs)
 
 
-def _with_eager_layout(compact, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+def _with_eager_layout(compact, overlay, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                        use_vmap, device, **kwargs):
     """transformers' own eager mask for these arguments, carrying the unpadding data of ``compact`` (the
     pattern alone when there is no padding), so jagged attention reads it as it reads the compact mask."""
@@ -324,15 +536,17 @@ def _with_eager_layout(compact, batch_size, q_length, kv_length, q_offset, kv_of
     if mask is None:
         return None
     info = getattr(compact, _UNPAD_ATTR, None) if compact is not None else None
-    setattr(mask, _UNPAD_ATTR, info if info is not None else _marker_info(int(q_length), int(kv_length),
-                                                                          _mask_pattern(mask_function)))
+    if info is None:  # no padding and nothing to carry (overlays are carried by the compact mask itself)
+        info = _marker_info(int(q_length), int(kv_length), causal=overlay.causal, keys_only=overlay.keys_only,
+                            packed=overlay.packed)
+    setattr(mask, _UNPAD_ATTR, info)
     if not torch.compiler.is_compiling():  # a model that edits it in place is refused (_unpad_info)
         setattr(mask, _EAGER_VERSION_ATTR, mask._version)
     return mask
 
 
-def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                            attention_mask=None, use_vmap=False, device=None, **kwargs):
+def _compact_attention_mask(overlay: _Overlay, batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                            attention_mask=None, device=None, **kwargs):
     """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
 
     Called by ``create_causal_mask`` / ``create_sliding_window_causal_mask`` once per forward with
@@ -344,44 +558,49 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
     no 2-D mask (``generate`` drops an all-ones mask for non-flash names) the valid keys are
     rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
-    evaluated; custom overlays (``or_mask_function``/``and_mask_function``) cannot be honoured.
+    evaluated: it is read (``_read_mask_function``) for its pattern and the overlays of the module
+    docstring, which travel with the mask (a mask without padding is returned to carry them);
+    other overlays (``or_mask_function``/``and_mask_function``) are refused.
 
     ``create_bidirectional_mask`` (encoder self-attention; cross-attention, where the 2-D mask is the
     encoder's and ``q_length`` the decoder's) gets a keys-only mask instead: every query row is kept
     (as in eager), and the mask is additive ``(B, 1, 1, K)`` (0 / the dtype's min), which model code
-    that reads the mask itself can use as it uses eager's. Which pattern was asked for is read from
-    ``mask_function`` (its closures, nothing evaluated) and travels with the mask.
+    that reads the mask itself can use as it uses eager's.
     """
-    # transformers' base patterns (causal, sliding, packed, padding) are built with and_masks only;
-    # or_masks means an overlay we cannot express (or_mask_function, blockwise block_sequence_ids)
-    if use_vmap or getattr(mask_function, "__name__", "") == "or_mask":
+    if overlay.packed and overlay.blocks is not None:
         raise ValueError(
-            "mask_function: this model adds a custom mask overlay (or_mask_function/and_mask_function or "
-            "block_sequence_ids, e.g. bidirectional image tokens); jagged attention supports causal, "
-            "sliding-window and padding masks only -- use attn_implementation='eager' or 'sdpa' for this model"
+            "block_sequence_ids: bidirectional blocks (token_type_ids) in packed sequences: transformers numbers "
+            "them across the packed row, which jagged attention cannot express -- pad the batch instead"
         )
     config = kwargs.get("config")
-    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
-    if chunk is not None and kwargs.get("local_size") == chunk:
-        raise ValueError(
-            f"config.attention_chunk_size: chunked attention ({chunk}) is not supported by jagged attention "
-            "-- use attn_implementation='eager' or 'sdpa' for this model"
-        )
     Q, K = int(q_length), int(kv_length)
-    causal = _mask_pattern(mask_function)
+    causal, keys_only = overlay.causal, overlay.keys_only
+    chunk = overlay.chunk
+    if chunk is not None and isinstance(kv_offset, int) and kv_offset + K <= chunk[0]:
+        chunk = None  # every key slot lies in the first chunk: chunking changes nothing
+    if chunk is not None and overlay.blocks is not None:
+        raise _overlay_refused("block_sequence_ids with chunked attention")
+    pattern = dict(causal=causal, keys_only=keys_only, window=overlay.window,
+                   chunk=int(chunk[0]) if chunk is not None else None, packed=overlay.packed)
     # encoder-decoder modules do not always declare the pattern their mask has (bigbird_pegasus'
     # decoder self-attention says is_causal=False and relies on a causal mask, in the encoder-decoder and
     # as BigBirdPegasusForCausalLM): for their causal masks even a mask without padding is returned, as a
-    # marker that carries the pattern (is_encoder_decoder or is_decoder configs only; other decoder-only
+    # marker that carries the pattern (is_encoder_decoder or is_decoder configs; other decoder-only
     # models keep getting None without padding: the padding-free path stays mask-free for torch.compile.
-    # Families whose own code adds the mask to its scores get eager's mask instead: _model_reads_mask)
-    carry = causal is True and bool(getattr(config, "is_encoder_decoder", False)
-                                    or getattr(config, "is_decoder", False))
+    # Families whose own code adds the mask to its scores get eager's mask instead: _model_reads_mask).
+    # So do the causal masks of configs whose modules say is_causal=False (use_bidirectional_attention:
+    # PaliGemma's Gemma sets it, its eager mask is causal nonetheless), and masks with overlays
+    declared = getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False) \
+        or getattr(config, "use_bidirectional_attention", False)
+    carry = (causal is True and bool(declared)) or overlay.window is not None or chunk is not None
 
-    def no_padding():
-        return _no_padding_marker(batch_size, Q, K, causal, device, kwargs.get("dtype")) if carry else None
+    def no_padding(prefix_lens=None):
+        if not carry and prefix_lens is None:
+            return None
+        return _no_padding_marker(batch_size, Q, K, device, kwargs.get("dtype"), prefix_lens=prefix_lens, **pattern)
 
-    if attention_mask is None and (causal is False or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
+    if attention_mask is None and chunk is None and overlay.blocks is None \
+            and (keys_only or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
         # every key slot holds a real token (bidirectional masks have no cache geometry to rebuild):
         # dense path (or packed via position_ids)
         return no_padding()
@@ -404,7 +623,7 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
         if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
             valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
     key_valid = valid[:, kv_offset:total]
-    if causal is False:
+    if keys_only:
         # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
         # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
         # every query row is computed (eager computes padded encoder rows too)
@@ -412,12 +631,52 @@ def _compact_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offs
     else:
         q_positions = torch.arange(Q, device=valid.device) + q_offset
         query_valid = valid.index_select(1, q_positions)
-    info = _unpad_from_validity(query_valid, key_valid)
+    checks = []
+    if overlay.sliding is not None and overlay.blocks is None:
+        key_valid = _window_keys(query_valid, key_valid, q_offset, kv_offset, overlay.sliding)
+    if chunk is not None:
+        key_valid, inexact = _chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
+        checks.append(inexact)
+    if overlay.blocks is not None:
+        block_prefix, not_prefix, longest = _prefix_lens(key_valid, overlay.blocks, kv_offset, K)
+        checks += [not_prefix, longest]
+    info = _unpad_from_validity(query_valid, key_valid, checks)
+    read = list(info.checks)
+    if chunk is not None and read.pop(0):
+        raise ValueError(
+            f"attention_mask: with chunked attention (config.attention_chunk_size={chunk[0]}) a row has padding "
+            "between real tokens where several of its queries' chunks would count it (e.g. a prompt with padding "
+            "inside it), or a cache that no longer holds the start of its chunk: its chunks would differ from "
+            "eager's. Decoding one token per row past such padding is supported"
+        )
+    if chunk is not None and info.max_seqlen_q <= 1:
+        # one query per row (decoding): the keys kept are exactly its chunk, so no chunk option (any kernel runs)
+        pattern["chunk"] = None
+    prefix_lens = None
+    if overlay.blocks is not None:
+        not_prefix, longest = read
+        if not_prefix:
+            raise ValueError(
+                "block_sequence_ids: a bidirectional block (token_type_ids: image or prefix tokens) that is not at "
+                "the start of its sequence, or several blocks; jagged attention supports one block at the start "
+                "(prefix-LM) -- use attn_implementation='eager' or 'sdpa' for these inputs"
+            )
+        if overlay.blocks_window is not None and longest > overlay.blocks_window:
+            raise ValueError(
+                f"block_sequence_ids: a bidirectional block of {longest} tokens is longer than the sliding window "
+                f"({overlay.blocks_window}) it is cut by; jagged attention's prefix is not windowed -- use "
+                "attn_implementation='eager' or 'sdpa' for these inputs"
+            )
+        prefix_lens = block_prefix if longest > 1 else None  # a 1-token block is causal anyway
+    if overlay.sliding is not None and overlay.blocks is None and info.max_seqlen_q <= 1:
+        pattern["window"] = (-1, -1)  # one query per row (decoding): the keys kept are exactly its window
     if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
             and info.indices_k.numel() == batch_size * K:
-        return no_padding()  # no padding after all: the dense path needs no indices
-    info.causal = causal
-    if causal is False:
+        return no_padding(prefix_lens)  # no padding after all: the dense path needs no indices
+    for name, value in pattern.items():
+        setattr(info, name, value)
+    info.prefix_lens = prefix_lens
+    if keys_only:
         # keys only: an additive (B, 1, 1, K) mask, 0 for real keys and the dtype's min for padding, which
         # model code that reads the mask itself can use as eager's (bigbird_pegasus' encoder adds it to its
         # scores, NLLB-MoE's router reads its last row); the unpadding data rides along as for every mask
@@ -508,8 +767,6 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None else None
     if info is not None and info.causal is not None:
         causal = info.causal  # the mask's pattern is what eager applies (see _Unpad.causal)
-    if info is not None and not info.padded:
-        info = None  # a marker only: no padding to remove
     window = (-1, -1)
     if sliding_window is not None:
         sw = _as_int(sliding_window, "sliding_window")
@@ -522,13 +779,24 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                    softcap=float(softcap) if softcap else 0.0)
     if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (API.md 11)
         options["sinks"] = kwargs["s_aux"]
+    packed_by_eager = False
+    if info is not None:  # the mask's overlays (see _Overlay)
+        packed_by_eager = info.packed
+        if info.window is not None:
+            window = options["window_size"] = info.window
+        if info.chunk is not None:
+            options["chunk_size"] = info.chunk
+        if info.prefix_lens is not None:
+            options["prefix_lens"] = info.prefix_lens
+        if not info.padded:
+            info = None  # a marker only: no padding to remove
 
     q = query.transpose(1, 2)  # (B, Q, Hq, D)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
     if info is not None:
-        if info.causal is False and window != (-1, -1):
+        if info.keys_only and window != (-1, -1):
             # eager's bidirectional window |q - kv| <= w counts positions in the padded row; packed,
             # it holds only when each sequence's queries are its keys. Padded query rows then
             # output zeros (eager's see only padding), real rows equal eager's.
@@ -541,9 +809,9 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             info = info.queries_as_keys()
         if info.holes and window != (-1, -1):
             raise ValueError(
-                "attention_mask: a row has padding between real tokens (e.g. a right-padded prompt "
-                "continued by generate); with a sliding window the distances would differ from eager. "
-                "Use left padding for generation"
+                "attention_mask: a row has padding between real tokens inside the sliding window of several "
+                "of its queries (e.g. a prompt with padding inside it); the distances would differ from "
+                "eager. Decoding one token per row past such padding is supported"
             )
         # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
         q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)
@@ -567,6 +835,13 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         if packed is not None:
             cu_q, max_q = packed
             cu_k, max_k = cu_q, max_q
+        elif packed_by_eager:
+            # e.g. Llama 4's layers do not pass position_ids on: the boundaries eager used are not known here
+            raise ValueError(
+                "position_ids: eager separates the sequences packed in a row (position_ids restarting), but this "
+                "model does not hand position_ids to its attention; pass DataCollatorWithFlattening's "
+                "cu_seq_lens_q/k and max_length_q/k (return_flash_attn_kwargs=True), or pad the batch"
+            )
         else:  # dense: B sequences of Q queries and K keys (new queries are the last keys)
             cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
             cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=query.device)
@@ -583,7 +858,7 @@ def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
     info = getattr(mask, _UNPAD_ATTR, None)
-    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.causal is False and mask.shape == (B, 1, 1, K))):
+    if info is not None and (mask.shape == (B, 1, 1, Q + K) or (info.keys_only and mask.shape == (B, 1, 1, K))):
         return info  # compact, or keys-only (bidirectional)
     if info is not None and mask.shape == (B, 1, Q, K):  # eager's layout, for model code that reads it
         version = getattr(mask, _EAGER_VERSION_ATTR, None)

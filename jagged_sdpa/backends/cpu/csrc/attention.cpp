@@ -12,7 +12,8 @@
 // Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
 // strides and a contiguous last dim, or k/v as a paged cache read through a block table (both
 // directions: the backward's dK/dV are then cache-shaped, see "Backward");
-// out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
+// out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key
+// (sink_h with sinks).
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
 // window, chunk; or the prefix, API.md 11) on the aligned position i' = i + shift. Sinks (API.md 11)
 // are one more logit per head in each row's denominator, folded in when the row is written
@@ -29,6 +30,7 @@
 // value a row sees reaches its out (and lse) as in dense attention; a row that sees no key, or
 // only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
 // alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
+// A row that sees no key with sinks: out 0, lse sink_h.
 //
 // Dropout follows keyed_dropout.py (the one definition, shared with MATH and TRITON): the
 // probability of (sequence b, query head h, in-sequence row i, in-sequence key j) is multiplied by
@@ -1234,7 +1236,8 @@ void run_all(const JsParams& p) {
 // read more than once gets float32 accumulator rows of its own instead, and once every item is done
 // each such block sums its references' rows in (b, idx) order and rounds once. So each float is
 // written by one item and summed in a fixed order: the same bits whatever the thread count, with
-// no atomics, and extra memory only for the shared blocks.
+// no atomics, and extra memory only for the shared blocks. The sinks' gradient is summed the same
+// way: per (sequence, head) by the item that owns the rows, then over sequences in order.
 
 constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales

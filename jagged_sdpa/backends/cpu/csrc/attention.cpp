@@ -17,8 +17,9 @@
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
 // window, chunk; or the prefix, API.md 11) on the aligned position i' = i + shift. Sinks (API.md 11)
 // are one more logit per head in each row's denominator, folded in when the row is written
-// (finish_row): the lse includes them, so the backward's P = exp(S - lse) needs nothing more. Computation is float32 whatever the input dtype
-// (fp16/bf16 are widened exactly on load), except bf16 products: where the CPU has AMX (and Linux
+// (finish_row): the lse includes them, so the backward's P = exp(S - lse) needs nothing more.
+// Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load), except
+// bf16 products: where the CPU has AMX (and Linux
 // grants its tile state) the forward and the backward multiply bf16 on AMX tiles (tdpbf16ps, 16
 // query rows a tile), where it has AVX512-BF16 only the forward uses vdpbf16ps; products are exact
 // and sums float32, but P (and the backward's dS) is rounded to bf16 for its product, as flash

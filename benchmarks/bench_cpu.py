@@ -31,9 +31,15 @@ threads leave free, above 10% of the machine marks the round disturbed, and the 
 contender where glibc is told to return large blocks to the OS at once (not for flex, whose
 compile a fresh process would redo).
 
-At the end, issue 14's targets next to the measured values, met or not.
+Issue 20's rows (``options``): W1 causal, fp32 and bf16, forward and forward+backward, the same call
+with and without API.md 11's sinks + prefix_lens + chunk_size, timed interleaved on the compiled
+kernel, with two chunk sizes: one that cuts the sequences (less work: the time ratio) and one that
+cuts almost nothing (the cost per visible (query, key) pair, counted by positions.visible_keys: what
+the options themselves cost). The target: both at most 1.10x.
 
-Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2,tiny] [--threads N] [--no-flex] [--no-memory]
+At the end, the targets (issues 14, 20, 22) next to the measured values, met or not.
+
+Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2,tiny,options] [--threads N] [--no-flex] [--no-memory]
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagged_sdpa  # noqa: E402
 from jagged_sdpa.backends.cpu import native  # noqa: E402
-from workloads import TINY, Workload, make_tensors, standard_workloads  # noqa: E402
+from jagged_sdpa.backends import positions  # noqa: E402
+from workloads import TINY, W1, Workload, make_tensors, standard_workloads  # noqa: E402
 
 CONTENDERS = ("ours", "njt", "padded", "loop", "bucketed", "flex")
 ANCHORS = CONTENDERS[1:]
@@ -609,6 +616,98 @@ def tiny_rows(reps: int, rounds: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# issue 20: API.md 11's options on the compiled kernel, the same call with and without them
+
+# Two chunk sizes: 256 cuts W1's sequences (47..851) as Llama 4's 8192 cuts long contexts (less
+# work: the time ratio is the user's view); the longest key length - 1 cuts almost nothing, so its
+# cost per visible pair is what the options' machinery costs (the per-row rules, the sink).
+OPTION_CHUNK = 256
+
+
+@dataclass
+class OptionsRow:
+    label: str
+    seconds: dict         # "plain", "cut", "uncut": fastest round's seconds per call
+    pairs: dict           # visible (query, key) pairs per head, same keys
+    chunks: dict          # "cut", "uncut": the chunk_size
+
+    def time_ratio(self, kind: str) -> float:
+        return self.seconds[kind] / self.seconds["plain"]
+
+    def pair_ratio(self, kind: str) -> float:
+        """Cost per visible pair with the options over without."""
+        return self.time_ratio(kind) * self.pairs["plain"] / self.pairs[kind]
+
+
+def _visible_pairs(spec, w: Workload, prefix) -> int:
+    total = 0
+    for b, (lq, lk) in enumerate(zip(w.q_lengths, w.keys)):
+        shift = positions.shift_of(spec, lq, lk)
+        for i in range(lq):
+            lo, hi = positions.visible_keys(spec, i + shift, lk, prefix[b])
+            total += max(0, hi - lo)
+    return total
+
+
+def options_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workload = W1) -> list[OptionsRow]:
+    """``base`` causal in fp32 and bf16, forward and forward+backward: the plain call, and with
+    sinks (Hq,), prefix_lens of a quarter of each sequence and chunk_size ``OPTION_CHUNK`` ("cut")
+    or the longest key length - 1 ("uncut"), all on the compiled kernel, timed interleaved (a
+    disturbed round is repeated, as in run_workload). Ratios set fastest rounds against each
+    other, so that a busy machine lowers neither side alone."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for backward in (False, True):
+            w = base.with_(causal=True, dtype=dtype, backward=backward)
+            q, k, v, cu_q, cu_k = make_tensors(w, requires_grad=backward)
+            prefix = [n // 4 for n in w.keys]
+            options = dict(sinks=torch.randn(w.heads, generator=torch.Generator().manual_seed(2)).to(dtype),
+                           prefix_lens=torch.tensor(prefix, dtype=torch.int32))
+            chunks = {"cut": OPTION_CHUNK, "uncut": max(w.keys) - 1}
+            kinds = {"plain": {}, **{n: dict(options, chunk_size=c) for n, c in chunks.items()}}
+            args = (q, k, v, cu_q, cu_k, max(w.q_lengths), max(w.keys))
+            grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+            fns, pairs, reps = {}, {}, {}
+            for name, kw in kinds.items():
+                e = jagged_sdpa.explain(*args, causal=True, **kw)
+                assert e.chosen == jagged_sdpa.Backend.CPU_FUSED, str(e)
+                pairs[name] = _visible_pairs(e.spec, w, prefix if kw else [0] * len(prefix))
+                f = (lambda kw=kw: jagged_sdpa.varlen_attention(*args, causal=True, **kw))
+                fns[name] = with_backward(f, grad, (q, k, v)) if backward else f
+                fns[name]()  # warm-up
+                t0 = time.perf_counter()
+                fns[name]()
+                reps[name] = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
+            samples = {n: [] for n in fns}
+            for _ in range(rounds):
+                for attempt in range(max_retries + 1):
+                    got = {n: timed(f, reps[n]) for n, f in fns.items()}
+                    if not any(s.disturbed for s in got.values()) or attempt == max_retries:
+                        break
+                for n, s in got.items():
+                    samples[n].append(s.seconds)
+            row = OptionsRow(f"{w.name} {_dt(dtype)} causal {'fwd+bwd' if backward else 'fwd'}",
+                             {n: min(s) for n, s in samples.items()}, pairs, chunks)
+            rows.append(row)
+            print(f"  options {row.label}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.seconds.items())
+                  + " (ms, fastest rounds)", flush=True)
+    return rows
+
+
+def print_options(rows: list[OptionsRow]) -> None:
+    c = rows[0].chunks
+    print(f"| issue 20: sinks + prefix_lens (len/4) + chunk_size | plain ms | chunk {c['cut']} ms | time ratio | "
+          f"chunk {c['uncut']} ms | visible pairs ratio | cost per visible pair ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.label} | {_ms(r.seconds['plain'])} | {_ms(r.seconds['cut'])} | {r.time_ratio('cut'):.2f}x | "
+              f"{_ms(r.seconds['uncut'])} | {r.pairs['uncut'] / r.pairs['plain']:.2f} | {r.pair_ratio('uncut'):.2f}x |")
+    print(f"# chunk {c['cut']} leaves {rows[0].pairs['cut'] / rows[0].pairs['plain']:.2f} of the plain call's visible pairs "
+          f"(its cost per visible pair {max(r.pair_ratio('cut') for r in rows):.2f}x at most: more of its key blocks "
+          "straddle a mask edge)")
+
+
+# ----------------------------------------------------------------------------------------------
 # report
 
 
@@ -681,7 +780,8 @@ TARGETS = (
 )
 
 
-def target_rows(rows: list[Row], gemm: Optional[Gemm], tiny: Optional[dict]) -> list[tuple[str, str, str]]:
+def target_rows(rows: list[Row], gemm: Optional[Gemm], tiny: Optional[dict],
+                options: Optional[list] = None) -> list[tuple[str, str, str]]:
     """(target, measured, met) for every target this run measured."""
     by_label = {_label(r.workload): r for r in rows}
     out = []
@@ -716,6 +816,14 @@ def target_rows(rows: list[Row], gemm: Optional[Gemm], tiny: Optional[dict]) -> 
         out.append(("every row >= 1.0x the fastest contender",
                     f"lowest {worst} {ratios[worst]:.2f}x" + (f"; below: {', '.join(below)}" if below else ""),
                     "unmet" if below else "met"))
+    if options:
+        cut = max(options, key=lambda r: r.time_ratio("cut"))
+        uncut = max(options, key=lambda r: r.pair_ratio("uncut"))
+        worst = max(cut.time_ratio("cut"), uncut.pair_ratio("uncut"))
+        out.append(("sinks + chunk_size + prefix_lens <= 1.10x the plain call (issue 20)",
+                    f"time {cut.time_ratio('cut'):.2f}x ({cut.label}, chunk {cut.chunks['cut']}); per visible pair "
+                    f"{uncut.pair_ratio('uncut'):.2f}x ({uncut.label}, chunk {uncut.chunks['uncut']}); worst of each",
+                    "met" if worst <= 1.10 else "unmet"))
     return out
 
 
@@ -759,6 +867,9 @@ def main(argv=None) -> int:
     if not args.no_memory:
         for row in rows:
             measure_memory(row)
+    options = None
+    if not only or "options" in only:
+        options = options_rows(rounds, min_sample, retries)
     tiny = None
     if not only or "tiny" in only:
         with torch.no_grad():
@@ -767,10 +878,13 @@ def main(argv=None) -> int:
     if rows:
         print_table(rows, gemm)
         print()
+    if options:
+        print_options(options)
+        print()
     if tiny:
         print_tiny(tiny)
         print()
-    print_targets(target_rows(rows, gemm, tiny))
+    print_targets(target_rows(rows, gemm, tiny, options))
     return 0
 
 

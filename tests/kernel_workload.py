@@ -7,7 +7,9 @@ against MATH.
 
 Paths: forward tiles (several key blocks, query chunks, GQA, odd D, Dv != D, every option),
 direct decode rows, windows past the keys (top-left through ``sdpa``, Lq > Lk, Lk = 0), the
-issue-11 repros, NaN rows, the backward, the paged forward and backward. ``run(place)`` runs them all in this
+issue-11 repros, NaN rows, the backward, the paged forward and backward; each with API.md 11's
+chunk_size, prefix_lens and sinks too (the ``sinks_chunk_prefix_*`` cases: prefix_lens and sinks
+are placed like every other input). ``run(place)`` runs them all in this
 process, printing each case before it runs (a crash names its case).
 """
 
@@ -37,7 +39,26 @@ def _randn(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def _varlen_case(q_lens, k_lens, hq, hkv, d, dv, *, alibi=None, **opts):
+def _add_options(x, gen, dtype, hq, prefix, sinks, grad=False):
+    """API.md 11's tensors: prefix_lens (a list, or None) and sinks ((Hq,) in the call's dtype)."""
+    if prefix is not None:
+        x["prefix"] = torch.tensor(prefix, dtype=torch.int32)
+    if sinks:
+        x["sinks"] = (torch.randn(hq, generator=gen) * 2).to(dtype).requires_grad_(grad)
+    return x
+
+
+def _options_of(x):
+    return {"prefix_lens": x.get("prefix"), "sinks": x.get("sinks")}
+
+
+def _leaves(x):
+    """The tensors a backward case differentiates, and their gradients' names."""
+    names = ["q", "k", "v"] + (["sinks"] if "sinks" in x else [])
+    return [x[n] for n in names], ["d" + n if n != "v" else "dv" for n in names]
+
+
+def _varlen_case(q_lens, k_lens, hq, hkv, d, dv, *, alibi=None, prefix=None, sinks=False, **opts):
     def build(dtype, gen):
         x = {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype), "k": _randn(gen, sum(k_lens), hkv, d, dtype=dtype),
              "v": _randn(gen, sum(k_lens), hkv, dv, dtype=dtype), "cu_q": _cu(q_lens), "cu_k": _cu(k_lens)}
@@ -45,31 +66,33 @@ def _varlen_case(q_lens, k_lens, hq, hkv, d, dv, *, alibi=None, **opts):
             x["slopes"] = torch.rand(hq, generator=gen) * 0.3
         elif alibi == "per_batch_head":
             x["slopes"] = torch.rand(len(q_lens), hq, generator=gen) * 0.3
-        return x
+        return _add_options(x, gen, dtype, hq, prefix, sinks)
 
     def call(x, backend):
         out, lse = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
-                                                alibi_slopes=x.get("slopes"), return_lse=True, backend=backend, **opts)
+                                                alibi_slopes=x.get("slopes"), return_lse=True, backend=backend,
+                                                **_options_of(x), **opts)
         return {"out": out, "lse": lse}
     return build, call
 
 
-def _backward_case(q_lens, k_lens, hq, hkv, d, dv, **opts):
+def _backward_case(q_lens, k_lens, hq, hkv, d, dv, *, prefix=None, sinks=False, **opts):
     def build(dtype, gen):
-        return {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype).requires_grad_(True),
-                "k": _randn(gen, sum(k_lens), hkv, d, dtype=dtype).requires_grad_(True),
-                "v": _randn(gen, sum(k_lens), hkv, dv, dtype=dtype).requires_grad_(True),
-                "grad": _randn(gen, sum(q_lens), hq, dv, dtype=dtype), "cu_q": _cu(q_lens), "cu_k": _cu(k_lens)}
+        x = {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype).requires_grad_(True),
+             "k": _randn(gen, sum(k_lens), hkv, d, dtype=dtype).requires_grad_(True),
+             "v": _randn(gen, sum(k_lens), hkv, dv, dtype=dtype).requires_grad_(True),
+             "grad": _randn(gen, sum(q_lens), hq, dv, dtype=dtype), "cu_q": _cu(q_lens), "cu_k": _cu(k_lens)}
+        return _add_options(x, gen, dtype, hq, prefix, sinks, grad=True)
 
     def call(x, backend):
-        leaves = [x["q"], x["k"], x["v"]]
-        out = jagged_sdpa.varlen_attention(*leaves, x["cu_q"], x["cu_k"], backend=backend, **opts)
-        dq, dk, dv_ = torch.autograd.grad(out, leaves, x["grad"])
-        return {"out": out, "dq": dq, "dk": dk, "dv": dv_}
+        leaves, names = _leaves(x)
+        out = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], backend=backend,
+                                           **_options_of(x), **opts)
+        return {"out": out, **dict(zip(names, torch.autograd.grad(out, leaves, x["grad"])))}
     return build, call
 
 
-def _paged_case(q_lens, used, block_size, hq, hkv, d, **opts):
+def _paged_case(q_lens, used, block_size, hq, hkv, d, *, prefix=None, sinks=False, **opts):
     def build(dtype, gen):
         need = [-(-n // block_size) for n in used]
         num_blocks = sum(need) + 2
@@ -78,37 +101,39 @@ def _paged_case(q_lens, used, block_size, hq, hkv, d, **opts):
         for b, n in enumerate(need):
             table[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
             ids = ids[n:]
-        return {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype),
-                "k": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
-                "v": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
-                "cu_q": _cu(q_lens), "table": table, "used": torch.tensor(used, dtype=torch.int32)}
+        x = {"q": _randn(gen, sum(q_lens), hq, d, dtype=dtype),
+             "k": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
+             "v": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
+             "cu_q": _cu(q_lens), "table": table, "used": torch.tensor(used, dtype=torch.int32)}
+        return _add_options(x, gen, dtype, hq, prefix, sinks)
 
     def call(x, backend):
         out, lse = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], None, block_table=x["table"],
-                                                seqused_k=x["used"], return_lse=True, backend=backend, **opts)
+                                                seqused_k=x["used"], return_lse=True, backend=backend,
+                                                **_options_of(x), **opts)
         return {"out": out, "lse": lse}
     return build, call
 
 
-def _paged_backward_case(q_lens, used, block_size, hq, hkv, d, **opts):
+def _paged_backward_case(q_lens, used, block_size, hq, hkv, d, *, prefix=None, sinks=False, **opts):
     """The paged backward: sequence 1 reads sequence 0's first block as its first and second
     blocks (a shared block, read twice), so dK/dV go through the kernel's shared-block sums."""
-    build_paged, _ = _paged_case(q_lens, used, block_size, hq, hkv, d)
+    build_paged, _ = _paged_case(q_lens, used, block_size, hq, hkv, d, prefix=prefix, sinks=sinks)
 
     def build(dtype, gen):
         x = build_paged(dtype, gen)
         x["table"][1, :2] = x["table"][0, 0]
-        for key in ("q", "k", "v"):
-            x[key].requires_grad_(True)
+        for key in ("q", "k", "v", "sinks"):
+            if key in x:
+                x[key].requires_grad_(True)
         x["grad"] = _randn(gen, sum(q_lens), hq, d, dtype=dtype)
         return x
 
     def call(x, backend):
-        leaves = [x["q"], x["k"], x["v"]]
-        out = jagged_sdpa.varlen_attention(*leaves, x["cu_q"], None, block_table=x["table"], seqused_k=x["used"],
-                                           backend=backend, **opts)
-        dq, dk, dv_ = torch.autograd.grad(out, leaves, x["grad"])
-        return {"out": out, "dq": dq, "dk": dk, "dv": dv_}
+        leaves, names = _leaves(x)
+        out = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], None, block_table=x["table"],
+                                           seqused_k=x["used"], backend=backend, **_options_of(x), **opts)
+        return {"out": out, **dict(zip(names, torch.autograd.grad(out, leaves, x["grad"])))}
     return build, call
 
 
@@ -168,6 +193,24 @@ CASES = {
     "paged_backward": _paged_backward_case([9, 3, 1, 0, 70], [40, 37, 0, 5, 70], 16, 4, 2, 24, causal=True,
                                            window_size=(30, 0)),
     "paged_backward_odd_blocks": _paged_backward_case([3, 2, 1], [5, 12, 33], 5, 2, 2, 8, softcap=2.0),
+    # API.md 11: chunks starting inside and at key blocks, prefixes past a row's other keys, sinks.
+    "sinks_chunk_prefix_tiles": _varlen_case([70, 9, 0, 3, 130], [130, 0, 5, 70, 65], 4, 2, 33, 20,
+                                             alibi="per_head", causal=True, window_size=(40, 3), softcap=5.0,
+                                             chunk_size=48, prefix=[60, 0, 5, 2, 65], sinks=True),
+    "sinks_chunk_prefix_negative_rows": _varlen_case([10, 3, 70], [2, 4, 90], 2, 1, 24, 24, chunk_size=7,
+                                                     prefix=[1, 4, 30], sinks=True),
+    "sinks_chunk_prefix_decode_rows": _varlen_case([1, 2, 1, 1, 2], [300, 0, 40, 1, 70], 8, 2, 64, 48, causal=True,
+                                                   chunk_size=100, prefix=[150, 0, 40, 1, 3], sinks=True),
+    "sinks_chunk_prefix_backward": _backward_case([130, 0, 1, 67, 9, 3], [130, 5, 70, 0, 140, 2], 4, 2, 40, 24,
+                                                  causal=True, chunk_size=50, prefix=[70, 3, 20, 0, 100, 1],
+                                                  sinks=True),
+    "sinks_chunk_prefix_dropout_backward": _backward_case([70, 2, 10], [70, 90, 2], 2, 1, 16, 16, softcap=3.0,
+                                                          chunk_size=9, prefix=[20, 0, 2], sinks=True, dropout_p=0.2),
+    "sinks_chunk_prefix_paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True,
+                                            chunk_size=20, prefix=[10, 77, 0, 5, 33], sinks=True),
+    "sinks_chunk_prefix_paged_backward": _paged_backward_case([9, 3, 1, 0, 70], [40, 37, 0, 5, 70], 16, 4, 2, 24,
+                                                              causal=True, chunk_size=20, prefix=[10, 20, 0, 5, 33],
+                                                              sinks=True),
 }
 
 

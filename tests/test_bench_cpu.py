@@ -112,3 +112,30 @@ def test_kernel_path_names_what_the_kernel_runs_each_row_on():
     assert bench.kernel_path(W5.with_(backward=True)) == f"{tiles or fma} fwd, {'AMX' if tiles == 'AMX' else fma} bwd"
     if "avx512f" in native.build_target():
         assert "AVX-512" in fma
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the compiled kernel")
+def test_options_rows_time_the_same_call_with_and_without_sinks_chunks_and_prefixes(capsys):
+    """Issue 20's rows on a small batch: plain, chunk 256 (cuts the 300-token sequence) and chunk
+    longest - 1, all on the kernel; the visible pairs come from the position rules; the target
+    line reads both ratios."""
+    bench = _bench()
+    from workloads import Workload
+
+    rows = bench.options_rows(1, 0.0, 0, base=Workload("small", (40, 300, 100), heads=2, head_dim=16))
+    assert [r.label for r in rows] == ["small float32 causal fwd", "small float32 causal fwd+bwd",
+                                       "small bfloat16 causal fwd", "small bfloat16 causal fwd+bwd"]
+    r = rows[0]
+    causal = sum(i + 1 for n in (40, 300, 100) for i in range(n))
+    assert r.pairs["plain"] == causal and r.chunks == {"cut": 256, "uncut": 299}
+    # prefix rows (i < n // 4) see n // 4 keys; in the 300-token sequence chunk 256 takes keys 0..255
+    # from rows 256..299, chunk 299 keys 0..298 from row 299
+    prefix_extra = sum(n // 4 - (i + 1) for n in (40, 300, 100) for i in range(n // 4))
+    assert r.pairs["uncut"] == causal + prefix_extra - 299
+    assert r.pairs["cut"] == causal + prefix_extra - 44 * 256
+    bench.print_options(rows)
+    text = "\n".join(t for row in bench.target_rows([], None, None, rows) for t in row)
+    out = capsys.readouterr().out
+    assert re.search(r"^\| small bfloat16 causal fwd\+bwd \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| 1\.\d\d \| [\d.]+x \|$",
+                     out, re.M), out
+    assert "sinks + chunk_size + prefix_lens <= 1.10x the plain call (issue 20)" in text and "chunk 299" in text

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch._dynamo
@@ -30,8 +32,14 @@ import jagged_sdpa
 from jagged_sdpa import Backend, NoBackendError, batch as batches, ops
 from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.backends import math as math_backend
+from jagged_sdpa.backends.cpu import native
 
 HQ, HKV, D = 4, 2, 8
+needs_kernel = pytest.mark.skipif(native.library() is None, reason="needs the compiled CPU kernel")
+# MATH, and the compiled kernel where this machine builds it (tests of behaviour both must show).
+BACKENDS = ["math", pytest.param("cpu_fused", marks=needs_kernel)]
+# What automatic selection runs for a fp32/fp16/bf16 CPU call with these options.
+CPU_BACKEND = Backend.MATH if native.library() is None else Backend.CPU_FUSED
 # Lq > Lk (negative bottom-right positions), Lq < Lk, an empty query and an empty key sequence.
 LQ = [5, 9, 0, 3, 6, 2]
 LK = [7, 9, 2, 4, 2, 0]
@@ -126,7 +134,8 @@ def test_varlen_matches_reference_forward_and_backward(name, dtype, blocks):
     q, k, v, sinks, slopes = _inputs(dtype)
     cu_q, cu_k = cu_of(LQ), cu_of(LK)
     kw = _kwargs(mix, sinks, slopes, torch.tensor(PREFIX, dtype=torch.int32))
-    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), return_lse=True, **kw)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), return_lse=True, backend="math",
+                                            **kw)
     ref, ref_lse, ref_leaves = _reference(q, k, v, cu_q, cu_k, kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_close_packed(out, ref, cu_seqlens=cu_q)
@@ -139,11 +148,12 @@ def test_varlen_matches_reference_forward_and_backward(name, dtype, blocks):
     _check_grads(got, want, cu_q, cu_k)
 
 
-def test_empty_rows_with_sinks_give_zeros_and_lse_sink():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_with_sinks_give_zeros_and_lse_sink(backend):
     """A row that sees no key (empty key sequence; bottom-right chunk -1) outputs 0, lse sink_h."""
     q, k, v, sinks, _ = _inputs()
     out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), sinks=sinks, chunk_size=2,
-                                            return_lse=True)
+                                            return_lse=True, backend=backend)
     rows = torch.arange(sum(LQ) - 2, sum(LQ))          # the last sequence has no keys
     assert torch.equal(out[rows], torch.zeros_like(out[rows]))
     assert torch.equal(lse[:, rows], sinks.detach().float().unsqueeze(1).expand(HQ, 2))
@@ -171,7 +181,7 @@ def test_low_precision_forward(dtype):
     q, k, v, sinks, _ = _inputs(dtype)
     cu_q, cu_k = cu_of(LQ), cu_of(LK)
     kw = dict(causal=True, chunk_size=3, sinks=sinks, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
-    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend="math", **kw)
     ref, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, kw)
     assert out.dtype == dtype
     assert_close_packed(out, ref, cu_seqlens=cu_q)
@@ -199,7 +209,8 @@ def test_dropout_never_drops_the_sink():
     _check_grads(got, torch.autograd.grad(ref, leaves, grad_out), cu_q, cu_k)
 
 
-def test_seqused_k_and_paged_keys():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seqused_k_and_paged_keys(backend):
     """prefix_lens are bounded by seqused_k; paged keys give what packed keys give."""
     q_lens, used, block_size = [3, 4, 1], [5, 2, 6], 2
     gen = torch.Generator().manual_seed(5)
@@ -208,7 +219,7 @@ def test_seqused_k_and_paged_keys():
     v = packed([6, 3, 7], HKV, D, gen=gen).requires_grad_()
     sinks = torch.randn(HQ, generator=gen).requires_grad_()
     prefix = torch.tensor([4, 2, 0], dtype=torch.int32)
-    kw = dict(causal=True, chunk_size=2, sinks=sinks, prefix_lens=prefix, return_lse=True)
+    kw = dict(causal=True, chunk_size=2, sinks=sinks, prefix_lens=prefix, return_lse=True, backend=backend)
     seqused = torch.tensor(used, dtype=torch.int32)
     out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_of(q_lens), cu_of([6, 3, 7]), seqused_k=seqused, **kw)
     ref, ref_lse, leaves = _reference(q, k, v, cu_of(q_lens), cu_of([6, 3, 7]), kw, seqused_k=used)
@@ -224,6 +235,245 @@ def test_seqused_k_and_paged_keys():
     ref_p, ref_lse_p, _ = _reference(q, k_ref, v_ref, cu_of(q_lens), cu_of(used), kw)
     assert_close_packed(out_p, ref_p, cu_seqlens=cu_of(q_lens))
     assert_close_lse(lse_p, ref_lse_p)
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiled CPU kernel (cpu_fused) against the reference
+#
+# The mixes again, in fp32, fp16 and bf16, packed and paged keys, forward (out, lse) and backward
+# (dq, dk, dv and the sinks' gradient), on the kernel's shipped work split and a small one (work
+# items of 2 query rows, direct rows for sequences of up to 3 queries in steps of 2 keys), so
+# tiles, sequences of several items, direct rows and paged keys all run these options; a longer
+# batch crosses key blocks and chunk boundaries. Errors are bounded by 2x (out) and 3x (gradients)
+# MATH's own error in the same dtype plus the dtype's floor; the lse by float32's bound. Every call
+# is checked to have run on the kernel (explain and the selection log), not on MATH.
+
+KERNEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAGED_BLOCK = 3
+
+
+@pytest.fixture(params=["shipped_split", "small_split"])
+def kernel_split(request, monkeypatch):
+    if request.param == "small_split":
+        monkeypatch.setattr(native, "Q_CHUNK", 2)
+        monkeypatch.setattr(native, "DIRECT_ROWS", 3)
+        monkeypatch.setattr(native, "DIRECT_KEYS", 2)
+    return request.param
+
+
+def _kernel_and_math(caplog, q, k, v, cu_q, cu_k, kw, grad_out_seed=7, **call):
+    """(out, lse, grads) of the kernel (asserted to be what ran) and of MATH on the same call;
+    grads are those of every leaf in ``_grad_leaves`` that requires grad."""
+    leaves = [x for x in _grad_leaves(q, k, v, kw) if x.requires_grad]
+    e = jagged_sdpa.explain(q, k, v, cu_q, cu_k, return_lse=True, **kw, **call)
+    assert e.chosen == Backend.CPU_FUSED and e.reasons[Backend.CPU_FUSED] == [], str(e)
+    results = {}
+    for backend in (None, "math"):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="jagged_sdpa"):
+            out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **kw,
+                                                    **call)
+        if backend is None:
+            logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "jagged_sdpa")
+            assert "chosen: cpu_fused" in logged, logged
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_out_seed)).to(out.dtype)
+        results[backend] = (out, lse, list(torch.autograd.grad(out, leaves, grad_out)), grad_out)
+    return results[None], results["math"]
+
+
+def _assert_kernel_close(got, math_got, ref, cu_seqlens, name, grad):
+    assert got.dtype == math_got.dtype and got.shape == math_got.shape, name
+    if got.dim() != 3:
+        got, math_got, ref, cu_seqlens = tuple(x.reshape(1, 1, -1) for x in (got, math_got, ref)) + ([0, 1],)
+    assert_close_packed(got, ref, cu_seqlens=cu_seqlens, name=name, grad=grad, lowp_ref=math_got,
+                        fudge=3.0 if grad else 2.0)
+
+
+def _paged_slots(table, used, block_size):
+    """Flat cache slots of every sequence's keys, in packed order."""
+    return torch.tensor([int(table[b, i // block_size]) * block_size + i % block_size
+                         for b, n in enumerate(used) for i in range(n)], dtype=torch.long)
+
+
+@needs_kernel
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
+@pytest.mark.parametrize("name", list(MIXES))
+def test_kernel_matches_reference_forward_and_backward(name, dtype, paged, kernel_split, caplog):
+    mix, dtype = MIXES[name], KERNEL_DTYPES[dtype]
+    q, k, v, sinks, slopes = _inputs(dtype)
+    slopes = slopes.detach()  # the kernel differentiates q, k, v and the sinks; MATH takes the slopes' gradient
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    kw = _kwargs(mix, sinks, slopes, torch.tensor(PREFIX, dtype=torch.int32))
+    call, ref_k, ref_v = dict(max_seqlen_q=max(LQ), max_seqlen_k=max(LK)), k, v
+    if paged:
+        k, v, table, used, ref_k, ref_v = paged_case(LQ, LK, PAGED_BLOCK, HKV, D, dtype)
+        k, v = k.requires_grad_(), v.requires_grad_()
+        call.update(block_table=table, seqused_k=used)
+        cu_k = None
+    (out, lse, grads, grad_out), (m_out, _, m_grads, _) = _kernel_and_math(caplog, q, k, v, cu_q, cu_k, kw, **call)
+    ref, ref_lse, ref_leaves = _reference(q, ref_k, ref_v, cu_q, cu_of(LK), kw)
+    _assert_kernel_close(out, m_out, ref, cu_q, "out", grad=False)
+    assert_close_lse(lse, ref_lse)
+    want = list(torch.autograd.grad(ref, ref_leaves[:3] + ([ref_leaves[3]] if "sinks" in kw else []),
+                                    grad_out.double()))
+    if paged:  # cache-shaped: each sequence's slots in packed order; the rest exactly 0
+        slots = _paged_slots(table, LK, PAGED_BLOCK)
+        for i in (1, 2):
+            flat = grads[i].flatten(0, 1)
+            rest = torch.ones(flat.shape[0], dtype=torch.bool)
+            rest[slots] = False
+            assert torch.equal(flat[rest], torch.zeros_like(flat[rest]))
+            grads[i], m_grads[i] = flat[slots], m_grads[i].flatten(0, 1)[slots]
+    for name_, g, m, r, cu in zip(["dq", "dk", "dv", "dsinks"], grads, m_grads, want, [cu_q, cu_of(LK), cu_of(LK), None]):
+        _assert_kernel_close(g, m, r, cu, name_, grad=True)
+    if "sinks" in kw:
+        assert grads[3].dtype == dtype and grads[3].shape == (HQ,)
+
+
+LONG_Q, LONG_K, LONG_PREFIX = [70, 1, 130, 2], [130, 150, 90, 0], [70, 30, 20, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("opts", [dict(causal=True, chunk_size=48), dict(causal=True, chunk_size=40, window_size=(50, 0)),
+                                  dict(chunk_size=64, softcap=4.0), dict(causal=True)],
+                         ids=["causal_chunk48", "causal_chunk40_window", "noncausal_chunk64_softcap", "causal"])
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
+def test_kernel_across_key_blocks_and_chunks(opts, dtype, kernel_split, caplog):
+    """Sequences of several 64-key blocks: chunks that start inside a block and at one, prefixes
+    that end inside one, tiles skipped by their rows' ranges, direct rows with long contexts."""
+    dtype = KERNEL_DTYPES[dtype]
+    gen = torch.Generator().manual_seed(4)
+    q = packed(LONG_Q, HQ, 16, gen=gen).to(dtype).requires_grad_()
+    k = packed(LONG_K, HKV, 16, gen=gen).to(dtype).requires_grad_()
+    v = packed(LONG_K, HKV, 16, gen=gen).to(dtype).requires_grad_()
+    sinks = torch.randn(HQ, generator=gen).requires_grad_()   # float32 sinks on fp16/bf16 calls
+    kw = dict(opts, sinks=sinks, prefix_lens=torch.tensor(LONG_PREFIX, dtype=torch.int32))
+    cu_q, cu_k = cu_of(LONG_Q), cu_of(LONG_K)
+    (out, lse, grads, grad_out), (m_out, _, m_grads, _) = _kernel_and_math(caplog, q, k, v, cu_q, cu_k, kw)
+    ref, ref_lse, leaves = _reference(q, k, v, cu_q, cu_k, kw)
+    _assert_kernel_close(out, m_out, ref, cu_q, "out", grad=False)
+    assert_close_lse(lse, ref_lse)
+    want = torch.autograd.grad(ref, leaves, grad_out.double())
+    assert grads[3].dtype == torch.float32
+    # The kernel's dsinks, like its dq and dk, comes from delta = dO . O with O rounded to the call's
+    # dtype (as flash attention's backward): float32 sinks on a low-precision call get its precision.
+    grads[3], m_grads[3] = grads[3].to(dtype), m_grads[3].to(dtype)
+    for name_, g, m, r, cu in zip(["dq", "dk", "dv", "dsinks"], grads, m_grads, want, [cu_q, cu_k, cu_k, None]):
+        _assert_kernel_close(g, m, r, cu, name_, grad=True)
+
+
+@needs_kernel
+def test_kernel_dropout_with_sinks_equals_math_and_the_reference(kernel_split):
+    """The kernel draws MATH's keyed masks and never drops the sink's share: its out and
+    gradients equal the reference given the call's own mask, and MATH's on the same key."""
+    p = 0.3
+    q, k, v, sinks, _ = _inputs()
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    kw = dict(causal=True, sinks=sinks, chunk_size=4, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    assert jagged_sdpa.explain(q, k, v, cu_q, cu_k, dropout_p=p, **kw).chosen == Backend.CPU_FUSED
+    torch.manual_seed(11)
+    key = keyed_dropout.draw_key()
+    results = []
+    for backend in (None, "math"):
+        torch.manual_seed(11)
+        out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=p, backend=backend, **kw)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        results.append((out, torch.autograd.grad(out, [q, k, v, sinks], grad_out), grad_out))
+    (out, grads, grad_out), (m_out, m_grads, _) = results
+    keep = lambda b, lq, lk: keyed_dropout.keep_mask(key, b, HQ, torch.arange(lq), torch.arange(lk), p)
+    ref, _, leaves = _reference(q, k, v, cu_q, cu_k, kw, dropout_p=p, dropout_keep=keep)
+    _assert_kernel_close(out, m_out, ref, cu_q, "out", grad=False)
+    want = torch.autograd.grad(ref, leaves, grad_out.double())
+    for name_, g, m, r, cu in zip(["dq", "dk", "dv", "dsinks"], grads, m_grads, want, [cu_q, cu_k, cu_k, None]):
+        _assert_kernel_close(g, m, r, cu, name_, grad=True)
+
+
+@needs_kernel
+def test_kernel_plan_runs_take_each_layers_sinks(kernel_split):
+    """A plan's forward runner (parameters built once) reads each run's own sinks and the plan's
+    prefix_lens: every run equals varlen_attention bit for bit, also after ``update``."""
+    q, k, v, _, _ = _inputs()
+    q, k, v = q.detach(), k.detach(), v.detach()
+    cu_q, cu_k = cu_of(LQ), cu_of(LK)
+    opts = dict(causal=True, chunk_size=3, return_lse=True)
+    p = jagged_sdpa.plan(cu_q, cu_k, max(LQ), max(LK), prefix_lens=torch.tensor(PREFIX, dtype=torch.int32), **opts)
+    for prefix in (PREFIX, [1, 2, 0, 4, 1, 0]):
+        if prefix is not PREFIX:
+            p.update(cu_q, cu_k, max(LQ), max(LK), prefix_lens=torch.tensor(prefix, dtype=torch.int32))
+        for layer in range(3):
+            sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
+            assert p.explain(q, k, v, sinks=sinks).chosen == Backend.CPU_FUSED
+            out, lse = p.run(q, k, v, sinks=sinks)
+            want, want_lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, max(LQ), max(LK), sinks=sinks,
+                                                          prefix_lens=torch.tensor(prefix, dtype=torch.int32), **opts)
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+            ref, ref_lse, _ = _reference(q, k, v, cu_q, cu_k, dict(causal=True, chunk_size=3, sinks=sinks,
+                                                                   prefix_lens=torch.tensor(prefix)))
+            assert_close_packed(out, ref, cu_seqlens=cu_q)
+            assert_close_lse(lse, ref_lse)
+
+
+@needs_kernel
+@pytest.mark.parametrize("opts", [dict(is_causal=True, chunk_size=3), dict(chunk_size=4, window_size=(3, 1))],
+                         ids=["causal_chunk3", "noncausal_chunk4_window"])
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
+def test_kernel_top_left_through_sdpa(opts, dtype, kernel_split):
+    """Top-left alignment (sdpa's default) with Lq != Lk and GQA: the kernel's out and gradients
+    (sinks included) against the reference, within 2x / 3x MATH's own error."""
+    dtype = KERNEL_DTYPES[dtype]
+    lq, lk = [4, 9, 2, 7], [6, 5, 9, 7]
+    gen = torch.Generator().manual_seed(6)
+    q = packed(lq, HQ, D, gen=gen).to(dtype).requires_grad_()
+    k = packed(lk, HKV, D, gen=gen).to(dtype).requires_grad_()
+    v = packed(lk, HKV, D, gen=gen).to(dtype).requires_grad_()
+    sinks = torch.randn(HQ, generator=gen).to(dtype).requires_grad_()
+    prefix = torch.tensor([2, 5, 9, 0], dtype=torch.int32)
+    nj = lambda x, lens: torch.nested.nested_tensor_from_jagged(x, cu_of(lens).long()).transpose(1, 2)
+    kw = dict(opts, enable_gqa=True, sinks=sinks, prefix_lens=prefix)
+    assert jagged_sdpa.explain(nj(q, lq), nj(k, lk), nj(v, lk), **kw).chosen == Backend.CPU_FUSED
+    grad_out = torch.randn(sum(lq), HQ, D, generator=gen).to(dtype)
+    results = []
+    for backend in (None, "math"):
+        out = jagged_sdpa.sdpa(nj(q, lq), nj(k, lk), nj(v, lk), backend=backend, **kw).transpose(1, 2).values()
+        results.append((out, torch.autograd.grad(out, [q, k, v, sinks], grad_out)))
+    (out, grads), (m_out, m_grads) = results
+    ref_kw = dict(causal=opts.get("is_causal", False), chunk_size=opts["chunk_size"], sinks=sinks, prefix_lens=prefix,
+                  window_size=opts.get("window_size", (-1, -1)))
+    ref, _, leaves = _reference(q, k, v, cu_of(lq), cu_of(lk), ref_kw, alignment="top_left")
+    _assert_kernel_close(out, m_out, ref, cu_of(lq), "out", grad=False)
+    want = torch.autograd.grad(ref, leaves, grad_out.double())
+    for name_, g, m, r, cu in zip(["dq", "dk", "dv", "dsinks"], grads, m_grads, want,
+                                  [cu_of(lq), cu_of(lk), cu_of(lk), None]):
+        _assert_kernel_close(g, m, r, cu, name_, grad=True)
+
+
+@needs_kernel
+def test_kernel_sinks_gradient_is_the_same_bits_on_any_thread_count():
+    q, k, v, sinks, _ = _inputs()
+    kw = dict(causal=True, chunk_size=3, sinks=sinks, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    threads = torch.get_num_threads()
+    grads = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), **kw)
+            grads.append(torch.autograd.grad(out.square().sum(), [sinks])[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+
+
+@needs_kernel
+def test_kernel_a_sink_of_plus_infinity_takes_the_whole_row():
+    """e^{+inf} in the denominator: every key's probability is 0, out 0, lse +inf (as MATH)."""
+    q, k, v, _, _ = _inputs()
+    sinks = torch.tensor([float("inf"), 0.0, float("-inf"), 1.0])
+    for backend in ("cpu_fused", "math"):
+        out, lse = jagged_sdpa.varlen_attention(q.detach(), k.detach(), v.detach(), cu_of(LQ), cu_of(LK), causal=True,
+                                                sinks=sinks, return_lse=True, backend=backend)
+        assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and (lse[0] == float("inf")).all(), backend
+        assert torch.isfinite(out).all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +531,8 @@ def test_plan_run_is_varlen_bit_for_bit_and_update_takes_new_prefixes():
     for a, b in zip(torch.autograd.grad(out, [q, k, v, sinks, slopes], g_out),
                     torch.autograd.grad(want, [q, k, v, sinks, slopes], g_out)):
         assert torch.equal(a, b)
-    assert p.explain(q, k, v, sinks=sinks).chosen == Backend.MATH
+    assert p.explain(q, k, v, sinks=sinks, alibi_slopes=slopes).chosen == Backend.MATH   # the slopes' gradient
+    assert p.explain(q, k, v, sinks=sinks).chosen == CPU_BACKEND
 
     new_prefix = torch.tensor([1, 2, 0, 4, 1, 0], dtype=torch.int32)
     p.update(cu_q, cu_k, max(LQ), max(LK), prefix_lens=new_prefix)
@@ -349,14 +600,15 @@ def test_compiled_call_checks_prefix_lens_when_the_operator_runs(fresh_dynamo):
         torch.compile(_varlen, fullgraph=True, backend="aot_eager")(q, k, v, cu_of(LQ), cu_of(LK), sinks, bad)
 
 
-def test_opcheck_with_sinks_chunk_and_prefix():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_with_sinks_chunk_and_prefix(backend):
     q, k, v, sinks, _ = _inputs()
     p = jagged_sdpa.plan(cu_of(LQ), cu_of(LK), max(LQ), max(LK), causal=True, chunk_size=3,
                          prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
     call, prepared = p._call(q, k, v, None, False, sinks=sinks)
-    assert prepared.backend == Backend.MATH and call.spec.sinks_grad and call.spec.prefix and call.spec.chunk_size == 3
+    assert prepared.backend == CPU_BACKEND and call.spec.sinks_grad and call.spec.prefix and call.spec.chunk_size == 3
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
-            call.alibi_slopes, call.dropout_key, "math", ops.options_of(call.spec), call.spec.max_seqlen_q,
+            call.alibi_slopes, call.dropout_key, backend, ops.options_of(call.spec), call.spec.max_seqlen_q,
             call.spec.max_seqlen_k, call.prefix_lens, call.sinks)
     torch.library.opcheck(torch.ops.jagged_sdpa.attention.default, args)
     out, lse, state = torch.ops.jagged_sdpa.attention(*args)
@@ -372,13 +624,15 @@ def test_opcheck_with_sinks_chunk_and_prefix():
 # explain, and options that change nothing
 
 
-def test_explain_names_every_other_backends_reason_and_takes_math():
+def test_explain_names_every_other_backends_reason_and_takes_the_kernel_or_math():
+    """On the CPU the compiled kernel takes the three options (MATH where it cannot be built, and
+    for float64, which it refuses for its dtype alone); the CUDA-only backends say why not."""
     q, k, v, sinks, _ = _inputs()
-    e = jagged_sdpa.explain(q, k, v, cu_of(LQ), cu_of(LK), max(LQ), max(LK), causal=True, sinks=sinks,
-                            chunk_size=3, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
-    assert e.chosen == Backend.MATH and e.reasons[Backend.MATH] == []
-    cpu = " ".join(e.reasons[Backend.CPU_FUSED])
-    assert "sinks not supported" in cpu and "chunk_size 3 not supported" in cpu and "prefix_lens not supported" in cpu
+    kw = dict(causal=True, sinks=sinks, chunk_size=3, prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
+    e = jagged_sdpa.explain(q, k, v, cu_of(LQ), cu_of(LK), max(LQ), max(LK), **kw)
+    assert e.chosen == CPU_BACKEND and e.reasons[Backend.MATH] == []
+    if native.library() is not None:
+        assert e.reasons[Backend.CPU_FUSED] == []
     for backend in (Backend.FLASH_VARLEN, Backend.EFFICIENT):
         assert e.reasons[backend]
     # TRITON takes the three options (its tests are the TRITON section below); here only the CPU
@@ -386,8 +640,12 @@ def test_explain_names_every_other_backends_reason_and_takes_math():
     assert not any(word in r for r in e.reasons[Backend.TRITON] for word in ("sinks", "chunk_size", "prefix_lens"))
     text = str(e)
     assert "sinks" in text and "chunk_size=3" in text
-    with pytest.raises(NoBackendError, match="sinks not supported"):
-        jagged_sdpa.varlen_attention(q, k, v, cu_of(LQ), cu_of(LK), sinks=sinks, backend="cpu_fused")
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    e64 = jagged_sdpa.explain(q64, k64, v64, cu_of(LQ), cu_of(LK), max(LQ), max(LK), **kw)
+    assert e64.chosen == Backend.MATH
+    assert all(r.startswith("dtype float64 not supported") for r in e64.reasons[Backend.CPU_FUSED])
+    with pytest.raises(NoBackendError, match="dtype float64 not supported"):
+        jagged_sdpa.varlen_attention(q64, k64, v64, cu_of(LQ), cu_of(LK), backend="cpu_fused", **kw)
 
 
 def test_options_that_change_nothing_are_normalised_away():

@@ -3,10 +3,11 @@ CPU tensors in fp32/fp16/bf16.
 
 One kernel call runs the forward of the whole ragged batch and one its backward, with every option:
 packed keys or a paged cache read in place (the backward sums the dK/dV of shared cache blocks),
-dropout with ``keyed_dropout``'s masks. What the kernel cannot run, this backend refuses with the
-reason, and selection moves on (to MATH on the CPU): float64 (the kernel computes in float32), head
-dims above ``native.MAX_HEAD_DIM``, a backward whose scratch would be too large, and no library at all
-(no C++ compiler, a failed build, ``JAGGED_SDPA_NATIVE=0``). One implementation of the math on this
+dropout with ``keyed_dropout``'s masks, and API.md 11's sinks (with their gradient), chunk_size and
+prefix_lens. What the kernel cannot run, this backend refuses with the reason, and selection moves on
+(to MATH on the CPU): float64 (the kernel computes in float32), head dims above
+``native.MAX_HEAD_DIM``, a backward whose scratch would be too large, the ALiBi slopes' own gradient,
+and no library at all (no C++ compiler, a failed build, ``JAGGED_SDPA_NATIVE=0``). One implementation of the math on this
 path: no second engine to keep equal to it.
 """
 
@@ -55,6 +56,10 @@ class CpuFusedBackend(BackendImpl):
         dtype_why="the compiled kernel computes in float32",
         head_dim_max=native.MAX_HEAD_DIM,
         paged=True,
+        sinks=True,
+        sinks_grad=True,
+        chunked=True,
+        prefix=True,
         notes=(
             "our compiled kernel, forward and backward (built on first use; needs a C++ compiler; paged caches "
             "read in place in both directions; dropout masks equal math's and triton's). What it cannot run "

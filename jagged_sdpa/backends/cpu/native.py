@@ -42,7 +42,7 @@ ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 7
+ABI_VERSION = 8
 # The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -79,6 +79,7 @@ class _Params(ctypes.Structure):
         ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32),
         ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
         ("dropout_seed", ctypes.c_uint32), ("dropout_offset", ctypes.c_uint32), ("dropout_p", ctypes.c_float),
+        ("chunk_size", ctypes.c_int64), ("prefix_lens", ctypes.c_void_p), ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -91,7 +92,7 @@ class _GradParams(ctypes.Structure):
         ("do_tok", ctypes.c_int64), ("do_head", ctypes.c_int64), ("dq_tok", ctypes.c_int64),
         ("dq_head", ctypes.c_int64), ("dk_tok", ctypes.c_int64), ("dk_head", ctypes.c_int64),
         ("dv_tok", ctypes.c_int64), ("dv_head", ctypes.c_int64),
-        ("dk_block", ctypes.c_int64), ("dv_block", ctypes.c_int64),
+        ("dk_block", ctypes.c_int64), ("dv_block", ctypes.c_int64), ("dsinks", ctypes.c_void_p),
     ]
 
 
@@ -289,8 +290,21 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _sinks(call: PackedCall) -> Optional[Tensor]:
+    """The sinks (API.md 11) as the kernel reads them, float32 (Hq,) contiguous, or None."""
+    if call.sinks is None:
+        return None
+    return call.sinks.detach().to(torch.float32).contiguous()
+
+
+def _prefix(call: PackedCall) -> Optional[Tensor]:
+    """prefix_lens (API.md 11) as the kernel reads them, int32 (B,) contiguous, or None."""
+    return None if call.prefix_lens is None else _int32(call.prefix_lens)
+
+
 def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
-    """The kernel's parameters; the checks already validated every length it reads."""
+    """The kernel's parameters; the checks already validated every length it reads (prefix_lens
+    among them)."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     cu_q = _int32(call.cu_seqlens_q)
@@ -306,7 +320,8 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
     slopes = None
     if call.alibi_slopes is not None:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
-    keep += [cu_q, cu_k, used, table, slopes]  # alive until the kernel returns
+    prefix, sinks = _prefix(call), _sinks(call)
+    keep += [cu_q, cu_k, used, table, slopes, prefix, sinks]  # alive until the kernel returns
     ptr = lambda t: None if t is None else t.data_ptr()
     # ctypes would wrap a window past int64 silently (2**64 -> 0); any such window is unbounded in
     # effect, and the kernel's range arithmetic is exact up to INT64_MAX.
@@ -323,6 +338,7 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
         seed, offset, spec.dropout_p,
+        0 if spec.chunk_size is None else min(spec.chunk_size, _INT64_MAX), ptr(prefix), ptr(sinks),
     )
 
 
@@ -336,9 +352,10 @@ def forward(call: PackedCall, out: Tensor, lse: Tensor) -> None:
 
 class ForwardRunner:
     """The forward of one kind of plan run (``plans.Plan``), its parameters built once: a run
-    sets only the pointers of its q, k, v, out and lse, its dropout key and the thread count.
-    Valid for calls of the kind it was built from: same shapes, strides and dtypes, the plan's
-    own metadata tensors, no ALiBi (slopes come per layer)."""
+    sets only the pointers of its q, k, v, out and lse, of its prefix_lens and sinks (per call
+    tensors, like q), its dropout key and the thread count. Valid for calls of the kind it was built
+    from: same shapes, strides and dtypes, the plan's own metadata tensors, no ALiBi (slopes come
+    per layer)."""
 
     __slots__ = ("_params", "_keep", "_shape_out", "_shape_lse", "_dtype", "_dropout", "_lib")
 
@@ -361,6 +378,9 @@ class ForwardRunner:
         params = self._params
         params.q, params.k, params.v = call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr()
         params.out, params.lse = out.data_ptr(), lse.data_ptr()
+        prefix, sinks = _prefix(call), _sinks(call)  # alive until the kernel returns
+        params.prefix_lens = None if prefix is None else prefix.data_ptr()
+        params.sinks = None if sinks is None else sinks.data_ptr()
         params.threads = torch.get_num_threads()
         if self._dropout:
             params.dropout_seed, params.dropout_offset = keyed_dropout.key_words(call.dropout_key)
@@ -370,21 +390,25 @@ class ForwardRunner:
         return out, lse
 
 
-def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward).
-    With a paged cache dk/dv are cache-shaped: blocks no sequence reads get 0, shared blocks the
-    sum over the sequences that read them (summed in order: deterministic)."""
+def backward(call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, ...]:
+    """dq, dk, dv of every sequence of ``call`` in one kernel call (out and lse from the forward),
+    then dsinks in the sinks' dtype when ``spec.sinks_grad``. With a paged cache dk/dv are
+    cache-shaped: blocks no sequence reads get 0, shared blocks the sum over the sequences that read
+    them (summed in order: deterministic)."""
     lse = lse if lse.dtype == torch.float32 else lse.float()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (call.q, call.k, call.v))
+    dsinks = torch.empty(call.spec.heads_q, dtype=torch.float32) if call.spec.sinks_grad else None
     keep: list = []
     # (tokens, heads, blocks) strides of dk/dv: (num_blocks, block_size, Hkv, D) when paged.
     dk_strides, dv_strides = ((t.stride(1), t.stride(2), t.stride(0)) if call.spec.paged else
                               (t.stride(0), t.stride(1), 0) for t in (dk, dv))
     g = _GradParams(_params(call, out, lse, keep), grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                     grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), *dk_strides[:2],
-                    *dv_strides[:2], dk_strides[2], dv_strides[2])
+                    *dv_strides[:2], dk_strides[2], dv_strides[2], None if dsinks is None else dsinks.data_ptr())
     code = library().js_attention_backward(ctypes.byref(g))
     if code:
         raise RuntimeError(f"native attention kernel refused its parameters (code {code})")
-    return dq, dk, dv
+    if dsinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsinks.to(call.sinks.dtype)

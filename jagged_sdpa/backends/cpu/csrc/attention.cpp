@@ -12,10 +12,14 @@
 // Layout: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with any token and head
 // strides and a contiguous last dim, or k/v as a paged cache read through a block table (both
 // directions: the backward's dK/dV are then cache-shaped, see "Backward");
-// out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key.
+// out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key
+// (sink_h with sinks).
 // Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
-// window) on the aligned position i' = i + shift. Computation is float32 whatever the input dtype
-// (fp16/bf16 are widened exactly on load), except bf16 products: where the CPU has AMX (and Linux
+// window, chunk; or the prefix, API.md 11) on the aligned position i' = i + shift. Sinks (API.md 11)
+// are one more logit per head in each row's denominator, folded in when the row is written
+// (finish_row): the lse includes them, so the backward's P = exp(S - lse) needs nothing more.
+// Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load), except
+// bf16 products: where the CPU has AMX (and Linux
 // grants its tile state) the forward and the backward multiply bf16 on AMX tiles (tdpbf16ps, 16
 // query rows a tile), where it has AVX512-BF16 only the forward uses vdpbf16ps; products are exact
 // and sums float32, but P (and the backward's dS) is rounded to bf16 for its product, as flash
@@ -27,6 +31,7 @@
 // value a row sees reaches its out (and lse) as in dense attention; a row that sees no key, or
 // only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
 // alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
+// A row that sees no key with sinks: out 0, lse sink_h.
 //
 // Dropout follows keyed_dropout.py (the one definition, shared with MATH and TRITON): the
 // probability of (sequence b, query head h, in-sequence row i, in-sequence key j) is multiplied by
@@ -328,12 +333,18 @@ struct JsParams {
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
     uint32_t dropout_seed, dropout_offset;
     float dropout_p;
+    // API.md 11: chunked attention (chunk_size C, 0 = off), prefix-LM (prefix_lens (batch,), null =
+    // off) and sinks ((Hq,) float32 logits, null = off).
+    int64_t chunk_size;
+    const int32_t* prefix_lens;
+    const float* sinks;
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
 // dq like q, dk like k, dv like v (any token and head strides, contiguous last dim; with a paged
 // cache dk/dv are cache-shaped with block strides dk_block/dv_block), lse as written by the
-// forward. dq/dk/dv arrive zeroed; the kernel writes every row some sequence reads.
+// forward. dq/dk/dv arrive zeroed; the kernel writes every row some sequence reads. dsinks (Hq,)
+// float32 gets the sinks' gradient (null: not wanted).
 struct JsGradParams {
     JsParams f;
     const void* dout;
@@ -342,6 +353,7 @@ struct JsGradParams {
     void* dv;
     int64_t do_tok, do_head, dq_tok, dq_head, dk_tok, dk_head, dv_tok, dv_head;
     int64_t dk_block, dv_block;
+    float* dsinks;
 };
 
 }  // extern "C"
@@ -493,19 +505,32 @@ struct Item {
     int64_t cost;
 };
 
-// Visible keys [lo, hi) of the query row at aligned position pos, for a sequence of len_k keys:
+// Visible keys [lo, hi) of the query row at aligned position pos of sequence b (len_k keys):
 // always 0 <= lo <= hi <= len_k, so every loop over a range stays inside the sequence (a window
 // that starts past the last key, a position before the first key, len_k = 0: an empty range).
-// This is the one place a row's keys are derived. Both ends are non-decreasing in pos, so a run
-// of rows sees [lo(first), hi(last)). Written without overflow for any window up to INT64_MAX
-// (pos is bounded by the lengths).
-inline void key_range(const JsParams& p, int64_t pos, int64_t len_k, int64_t* lo, int64_t* hi) {
-    int64_t a = 0, b = len_k;
-    if (p.causal) b = std::min(b, pos + 1);
+// This is the one place a row's keys are derived (as positions.visible_keys does for MATH):
+// causal, window and chunk (j // C == pos // C, floor division: a negative pos is in chunk -1,
+// which holds no key) narrow it; a prefix row (pos < P_b) sees [0, max(hi, P_b)), since its other
+// keys start at or below pos. Both ends are non-decreasing in pos, so a run of rows sees
+// [lo(first), hi(last)). Written without overflow for any window or chunk up to INT64_MAX (pos is
+// bounded by the lengths; a chunk start past 0 is at most pos, and then C <= pos).
+inline void key_range(const JsParams& p, int64_t b, int64_t pos, int64_t len_k, int64_t* lo, int64_t* hi) {
+    int64_t a = 0, e = len_k;
+    if (p.causal) e = std::min(e, pos + 1);
     if (p.window_left >= 0 && pos > p.window_left) a = pos - p.window_left;
-    if (p.window_right >= 0 && p.window_right < len_k - pos) b = std::min(b, pos + p.window_right + 1);
+    if (p.window_right >= 0 && p.window_right < len_k - pos) e = std::min(e, pos + p.window_right + 1);
+    if (p.chunk_size > 0) {
+        const int64_t c = pos / p.chunk_size - (pos % p.chunk_size < 0 ? 1 : 0);  // floor
+        const int64_t start = c * p.chunk_size;
+        a = std::max(a, start);
+        e = std::min(e, start + p.chunk_size);
+    }
+    if (p.prefix_lens && pos < p.prefix_lens[b]) {
+        a = 0;
+        e = std::max<int64_t>(e, p.prefix_lens[b]);
+    }
     *lo = std::min(a, len_k);
-    *hi = std::clamp(b, *lo, len_k);
+    *hi = std::clamp(e, *lo, len_k);
 }
 
 // Word 0 of Philox4x32-10 (Random123; Triton's tl.philox) of counter (c0..c3) under key (k0, k1).
@@ -562,7 +587,7 @@ struct RowRule {
         if (p.slopes)
             for (int j = 0; j < nk; ++j) s[j] -= slope * static_cast<float>(std::llabs(pos - (kb + j)));
         int64_t lo, hi;
-        key_range(p, pos, len_k, &lo, &hi);
+        key_range(p, b, pos, len_k, &lo, &hi);
         const int64_t jlo = std::clamp<int64_t>(lo - kb, 0, BK);
         const int64_t jhi = std::clamp<int64_t>(hi - kb, jlo, nk);
         for (int64_t j = 0; j < jlo; ++j) s[j] = -INFINITY;
@@ -640,14 +665,25 @@ inline bool adds_nothing(float bm, const float* s, int n) {
 
 // Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
 // when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
-// rows of its tile see), lse -inf. A NaN l or o (a NaN score or value it saw) stays NaN.
+// rows of its tile see), lse = sink (-inf without sinks). A NaN l or o (a NaN score or value it
+// saw) stays NaN. A sink (API.md 11; -inf: none, which changes no bit) is one more logit with no
+// value: max and sum take it in (not dropped: dropout scaled O only), so O shrinks and lse grows.
 template <class IO>
-inline void finish_row(const float* o, float m, float l, int64_t dv, typename IO::T* dst, float* lse) {
+inline void finish_row(const float* o, float m, float l, float sink, int64_t dv, typename IO::T* dst, float* lse) {
     const bool empty = l == 0.f;
-    const float inv = 1.f / l;
+    float inv = 1.f / l;
+    if (!empty && sink != -INFINITY) {
+        const float mn = std::max(m, sink);  // a NaN m stays NaN
+        const float a = m == mn ? 1.f : std::exp(m - mn);
+        l = l * a + (sink == mn ? 1.f : std::exp(sink - mn));  // exact at a sink of +inf: out 0, lse inf
+        inv = a / l;
+        m = mn;
+    }
     for (int64_t e = 0; e < dv; ++e) dst[e] = IO::st(empty ? 0.f : o[e] * inv);
-    if (lse) *lse = empty ? -INFINITY : m + std::log(l);
+    if (lse) *lse = empty ? sink : m + std::log(l);
 }
+
+inline float sink_of(const JsParams& p, int64_t h) { return p.sinks ? p.sinks[h] : -INFINITY; }
 
 // The online-softmax update of `rows` (<= W) rows of raw scores in pb (rows x BK), in place, for
 // scores S = pre * raw: P = exp(S - m_new), l = alpha * l + sum(P), alpha = exp(m_old - m_new) per
@@ -936,7 +972,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     }
     std::fill(o, o + heads * dv, 0.f);
     int64_t lo, hi;
-    key_range(p, pos, len_k, &lo, &hi);
+    key_range(p, b, pos, len_k, &lo, &hi);
     const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
     for (int64_t kb = lo; kb < hi; kb += step) {
         const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
@@ -987,7 +1023,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     }
     T* out = static_cast<T*>(p.out) + row * p.o_tok;
     for (int64_t h = 0; h < heads; ++h)
-        finish_row<IO>(o + h * dv, m[h], l[h], dv, out + h * p.o_head,
+        finish_row<IO>(o + h * dv, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
                        p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
 }
 
@@ -1079,8 +1115,8 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     std::fill(o, o + rows * dvp, 0.f);
 
     int64_t lo_all, hi_first, lo_last, hi_all;
-    key_range(p, pos0, len_k, &lo_all, &hi_first);
-    key_range(p, pos0 + rows - 1, len_k, &lo_last, &hi_all);
+    key_range(p, it.b, pos0, len_k, &lo_all, &hi_first);
+    key_range(p, it.b, pos0 + rows - 1, len_k, &lo_last, &hi_all);
     for (int64_t kb = lo_all; kb < hi_all; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, hi_all - kb));
         // K^T (words x BK, zero past nk) and V (nk x dvp, zero past dv) of this block.
@@ -1096,8 +1132,8 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
         for (int r = 0; r < rows; r += tile_rows) {
             const int rr = std::min(tile_rows, rows - r);
             int64_t lo_f, hi_f, lo_l, hi_l;
-            key_range(p, pos0 + r, len_k, &lo_f, &hi_f);
-            key_range(p, pos0 + r + rr - 1, len_k, &lo_l, &hi_l);
+            key_range(p, it.b, pos0 + r, len_k, &lo_f, &hi_f);
+            key_range(p, it.b, pos0 + r + rr - 1, len_k, &lo_l, &hi_l);
             if (hi_l <= kb || lo_f >= kb + nk) continue;  // no row of the tile sees this block
             const bool plain = !scored && nk == BK && lo_l <= kb && hi_f >= kb + BK;
             float* const args_o = o + r * dvp;
@@ -1130,7 +1166,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     if (amx) _tile_release();
 #endif
     for (int r = 0; r < rows; ++r)
-        finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
+        finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), sink_of(p, it.h), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
                        p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
 }
 
@@ -1155,7 +1191,7 @@ void run_all(const JsParams& p) {
         const int64_t shift = p.bottom_right ? len_k - len_q : 0;
         if (len_q <= p.direct_rows) {
             int64_t lo, hi;
-            key_range(p, shift, len_k, &lo, &hi);
+            key_range(p, b, shift, len_k, &lo, &hi);
             items.push_back(Item{static_cast<int32_t>(b), -1, 0, static_cast<int32_t>(len_q),
                                  len_q * p.heads_q * (hi - lo + 16)});
             continue;
@@ -1164,8 +1200,8 @@ void run_all(const JsParams& p) {
         for (int64_t r0 = 0; r0 < len_q; r0 += chunk) {
             const int rows = static_cast<int>(std::min<int64_t>(chunk, len_q - r0));
             int64_t lo1, hi1, lo2, hi2;
-            key_range(p, r0 + shift, len_k, &lo1, &hi1);
-            key_range(p, r0 + rows - 1 + shift, len_k, &lo2, &hi2);
+            key_range(p, b, r0 + shift, len_k, &lo1, &hi1);
+            key_range(p, b, r0 + rows - 1 + shift, len_k, &lo2, &hi2);
             const int64_t keys = std::max(hi1, hi2) - std::min(lo1, lo2);
             for (int64_t h = 0; h < p.heads_q; ++h)
                 items.push_back(Item{static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(r0), rows,
@@ -1201,7 +1237,8 @@ void run_all(const JsParams& p) {
 // read more than once gets float32 accumulator rows of its own instead, and once every item is done
 // each such block sums its references' rows in (b, idx) order and rounds once. So each float is
 // written by one item and summed in a fixed order: the same bits whatever the thread count, with
-// no atomics, and extra memory only for the shared blocks.
+// no atomics, and extra memory only for the shared blocks. The sinks' gradient is summed the same
+// way: per (sequence, head) by the item that owns the rows, then over sequences in order.
 
 constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transposed products
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
@@ -1495,8 +1532,11 @@ void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, b
         if (lse_inexact(w.lse[row])) w.lse_lo[row] = std::log(w.lse_lo[row]);
 }
 
+// sink_part (with sinks and g.dsinks): (batch, Hq) per-item sums of the sinks' gradient, added
+// up in order once every item is done (grad_all).
 template <class IO>
-void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared) {
+void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared,
+               double* sink_part) {
     typedef typename IO::T T;
     const JsParams& p = g.f;
     const int64_t d = p.head_dim, dv = p.head_dim_v, dp = (d + W - 1) / W * W, dvp = (dv + W - 1) / W * W;
@@ -1562,6 +1602,19 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #undef JS_QK
     };
     if (!amx) lse_corrections<IO>(g, b, hk, lq, direct, w, scores);
+    // The sinks' gradient (API.md 11): the sink's share of row i is P_sink = exp(sink_h - lse_i)
+    // (lse includes the sink, corrected like P below), and d lse_i / d sink_h = P_sink, so
+    // dsink_h = -sum_i P_sink,i * delta_i (delta_i = dO_i . O_i). A row that saw no key has O = 0.
+    if (sink_part)
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            double sum = 0.0;
+            for (int64_t i = 0; i < len_q; ++i) {
+                const int64_t row = gi * lq + i;
+                sum += static_cast<double>(std::exp((p.sinks[h] - w.lse[row]) - w.lse_lo[row])) * w.delta[row];
+            }
+            sink_part[b * p.heads_q + h] = sum;
+        }
 #if JS_AMX
     if (amx) amx_configure();
 #endif
@@ -1571,7 +1624,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
         int64_t r_begin = len_q, r_end = 0;
         for (int64_t i = 0; i < len_q; ++i) {
             int64_t lo, hi;
-            key_range(p, i + shift, len_k, &lo, &hi);
+            key_range(p, b, i + shift, len_k, &lo, &hi);
             if (hi > kb && lo < kb + nk && hi > lo) {
                 r_begin = std::min(r_begin, i);
                 r_end = i + 1;
@@ -1731,20 +1784,31 @@ void grad_all(const JsGradParams& g) {
         shared = std::make_unique<SharedBlocks>(p);
         if (shared->block.empty()) shared.reset();  // every block read once: written in place
     }
+    // The sinks' gradient: one partial sum per (sequence, head), summed in sequence order below,
+    // so its bits do not depend on the thread count (items with no query or no key add 0).
+    std::vector<double> sink_part(g.dsinks && p.sinks ? p.batch * p.heads_q : 0, 0.0);
+    double* const parts = sink_part.empty() ? nullptr : sink_part.data();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         GradScratch w;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) grad_item<IO>(g, items[i].b, items[i].hk, w, shared.get());
+        for (int64_t i = 0; i < n; ++i) grad_item<IO>(g, items[i].b, items[i].hk, w, shared.get(), parts);
     }
     if (shared) shared->reduce<IO>(g, std::max(1, p.threads));
+    if (g.dsinks)
+        for (int64_t h = 0; h < p.heads_q; ++h) {
+            double sum = 0.0;
+            for (int64_t b = 0; parts && b < p.batch; ++b) sum += parts[b * p.heads_q + h];
+            g.dsinks[h] = static_cast<float>(-sum);
+        }
 }
 
-// 0 when the parameters are usable; 1 bad heads, 4 dropout_p outside [0, 1) (2 bad dtype and
-// 3 paged backward come from the entry points).
+// 0 when the parameters are usable; 1 bad heads, 4 dropout_p outside [0, 1), 5 a negative
+// chunk_size (2 bad dtype and 3 paged backward come from the entry points).
 int check(const JsParams& p) {
     if (p.heads_kv <= 0 || p.heads_q % p.heads_kv) return 1;
     if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f)) return 4;
+    if (p.chunk_size < 0) return 5;
     return 0;
 }
 
@@ -1770,7 +1834,7 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 7; }
+extern "C" int js_abi_version() { return 8; }
 
 // What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
 // (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.

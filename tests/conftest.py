@@ -2,33 +2,27 @@ import os
 import sys
 
 
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import interpreter_env  # noqa: E402
+
+
 def _import_triton_interpreted() -> None:
-    """Without CUDA, import triton once with TRITON_INTERPRET=1 (its own library functions are
-    decorated at import), then put the variable back: every module's TRITON cases can then run in
-    this process under the interpreter (tests set the variable around them), whichever module
-    imports torch or jagged_sdpa first, while automatic selection keeps seeing TRITON ineligible on
-    the CPU. With CUDA, triton stays compiled."""
+    """Without a GPU, import triton interpreted once, before any test module (or torch) can import
+    it compiled: every module's TRITON cases then run in this process. With a GPU, it stays compiled
+    (decided without importing torch, which would import triton)."""
     if os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-        return  # a GPU machine (decided without importing torch, which would import triton compiled)
-    had = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if had is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = had
+        return
+    with interpreter_env():
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
 
 
 _import_triton_interpreted()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)

@@ -78,24 +78,17 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from triton_interpreter import interpreter_env, is_interpreted  # noqa: E402
 
 
 def _import_triton_interpreted() -> bool:
-    """Import triton with TRITON_INTERPRET=1 (its own functions are decorated at import), then put the
-    variable back: automatic selection must keep seeing TRITON ineligible on the CPU."""
-    had = os.environ.get("TRITON_INTERPRET")
-    if "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    finally:
-        if had is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = had
-    return type(triton.language.cdiv).__name__ == "InterpretedFunction"
+    """Import triton interpreted (``triton_interpreter``) unless something imported it already."""
+    with interpreter_env("triton" not in sys.modules):
+        try:
+            import triton
+        except ImportError:
+            return False
+    return is_interpreted(triton)
 
 
 TRITON_OK = _import_triton_interpreted()
@@ -598,15 +591,8 @@ class Refused(Exception):
 def backend_context(name):
     """Environment of one backend: the interpreter switch for triton, no compiled kernel for no_kernel."""
     if name == "triton":
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
+        with interpreter_env():
             yield
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
     elif name == "no_kernel":
         old = os.environ.get("JAGGED_SDPA_NATIVE")
         os.environ["JAGGED_SDPA_NATIVE"] = "0"

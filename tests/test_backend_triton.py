@@ -19,18 +19,16 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Triton's own library functions are decorated at import: interpreted only if the variable is set
-# then. It is removed again at once so that other modules still see TRITON ineligible on the CPU.
-_had_interpret = "TRITON_INTERPRET" in os.environ
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-if DEVICE == "cpu" and not _had_interpret:
-    del os.environ["TRITON_INTERPRET"]
+# Triton reads TRITON_INTERPRET when functions are decorated (tests/triton_interpreter.py).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from triton_interpreter import interpreter_env, is_interpreted  # noqa: E402
+
+with interpreter_env(DEVICE == "cpu"):
+    triton = pytest.importorskip("triton")
 # A module collected earlier in the same run may have imported triton compiled (jagged_sdpa itself
 # does, through torch): then every case here runs again in a fresh interpreted process
 # (``test_module_under_the_interpreter``) instead of being skipped.
-TRITON_OK = DEVICE != "cpu" or type(triton.language.cdiv).__name__ == "InterpretedFunction"
+TRITON_OK = DEVICE != "cpu" or is_interpreted(triton)
 
 import jagged_sdpa  # noqa: E402
 from jagged_sdpa import Backend  # noqa: E402

@@ -32,21 +32,18 @@ from jagged_sdpa.spec import PackedCall
 from cases import alibi_slopes, cu_of, in_nan_buffer, paged_case
 from reference import attention_reference
 from tolerances import assert_close_lse, assert_close_packed
+from triton_interpreter import interpreter_env, is_interpreted
 
 # Triton's library functions are interpreted only if TRITON_INTERPRET is set when triton is
 # imported (see test_backend_triton.py); other modules must still see TRITON ineligible on the CPU.
-_had_interpret = "TRITON_INTERPRET" in os.environ
-os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
-    import triton
-    import triton.language as tl
-    from jagged_sdpa.backends.triton import _common as triton_common
-except ImportError:
-    triton = None
-finally:
-    if not _had_interpret:
-        del os.environ["TRITON_INTERPRET"]
-TRITON_CPU = triton is not None and type(triton.language.cdiv).__name__ == "InterpretedFunction"
+with interpreter_env():
+    try:
+        import triton
+        import triton.language as tl
+        from jagged_sdpa.backends.triton import _common as triton_common
+    except ImportError:
+        triton = None
+TRITON_CPU = is_interpreted(triton)
 needs_triton = pytest.mark.skipif(not TRITON_CPU, reason="triton missing, or imported compiled before this module")
 needs_kernel = pytest.mark.skipif(native.library() is None and shutil.which("g++") is None,
                                   reason="no C++ compiler: the compiled kernel cannot be built here")

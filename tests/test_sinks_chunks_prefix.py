@@ -861,22 +861,18 @@ def test_a_sink_of_minus_infinity_is_no_sink():
 import functools  # noqa: E402
 import os  # noqa: E402
 
-_had_interpret = "TRITON_INTERPRET" in os.environ
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
-    import triton
-    import triton.language as tl
-    from jagged_sdpa.backends.triton import _common as triton_common
-    from jagged_sdpa.backends.triton._common import _visible_keys, _visible_rows
-except ImportError:
-    triton = None
-finally:
-    if not _had_interpret:
-        os.environ.pop("TRITON_INTERPRET", None)
+from triton_interpreter import interpreter_env, is_interpreted  # noqa: E402
+
+with interpreter_env(not torch.cuda.is_available()):
+    try:
+        import triton
+        import triton.language as tl
+        from jagged_sdpa.backends.triton import _common as triton_common
+        from jagged_sdpa.backends.triton._common import _visible_keys, _visible_rows
+    except ImportError:
+        triton = None
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = triton is not None and (TRITON_DEVICE == "cuda"
-                                    or type(triton.language.cdiv).__name__ == "InterpretedFunction")
+TRITON_OK = triton is not None and (TRITON_DEVICE == "cuda" or is_interpreted(triton))
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="triton missing, or imported compiled before this module")
 
 LQ_LONG = [30, 0, 40]

@@ -71,6 +71,7 @@ import sys
 import time
 import traceback
 import types
+from unittest import mock
 from collections import defaultdict
 
 import torch
@@ -594,17 +595,12 @@ def backend_context(name):
         with interpreter_env():
             yield
     elif name == "no_kernel":
-        old = os.environ.get("JAGGED_SDPA_NATIVE")
-        os.environ["JAGGED_SDPA_NATIVE"] = "0"
-        native.reset()
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("JAGGED_SDPA_NATIVE", None)
-            else:
-                os.environ["JAGGED_SDPA_NATIVE"] = old
+        with mock.patch.dict(os.environ, {"JAGGED_SDPA_NATIVE": "0"}):
             native.reset()
+            try:
+                yield
+            finally:
+                native.reset()
     else:
         yield
 

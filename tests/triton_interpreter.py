@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 
 @contextlib.contextmanager
 def interpreter_env(enabled: bool = True):
     """``TRITON_INTERPRET=1`` while the block runs (when ``enabled``), then as it was."""
-    had = os.environ.get("TRITON_INTERPRET")
-    if enabled:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"} if enabled else {}):
         yield
-    finally:
-        if had is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = had
 
 
 def is_interpreted(triton) -> bool:

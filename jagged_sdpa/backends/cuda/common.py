@@ -265,3 +265,12 @@ def empty_result(call: PackedCall) -> tuple[Tensor, Tensor]:
 
 def zero_grads(call: PackedCall) -> tuple[Tensor, Tensor, Tensor]:
     return torch.zeros_like(call.q), torch.zeros_like(call.k), torch.zeros_like(call.v)
+
+
+class StateFromFakeForward:
+    """``fake_state`` of a backend over aten ops that have fake kernels: the forward itself, run on
+    fake tensors, gives the state's shapes (flash's rng state, efficient's seed and offset)."""
+
+    @classmethod
+    def fake_state(cls, call: PackedCall) -> tuple:
+        return cls.forward(call).state

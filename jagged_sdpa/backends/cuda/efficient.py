@@ -115,7 +115,7 @@ def _no_zero_head_stride(t: Tensor) -> Tensor:
     return t
 
 
-class EfficientBackend(BackendImpl):
+class EfficientBackend(cc.StateFromFakeForward, BackendImpl):
     backend = Backend.EFFICIENT
     caps = Capabilities(
         devices=frozenset({"cuda"}),
@@ -215,10 +215,6 @@ class EfficientBackend(BackendImpl):
         if empty is not None:
             lse = lse.masked_fill(empty.unsqueeze(0), -math.inf)
         return AttnOutput(out, lse, state)
-
-    @classmethod
-    def fake_state(cls, call: PackedCall) -> tuple:
-        return cls.forward(call).state  # the aten op's own fake kernel gives the shapes
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):

@@ -131,7 +131,7 @@ def _call_max_seqlens(call: PackedCall) -> tuple[int, int]:
     return kernel_max_seqlens(call.spec, width)
 
 
-class FlashVarlenBackend(BackendImpl):
+class FlashVarlenBackend(cc.StateFromFakeForward, BackendImpl):
     backend = Backend.FLASH_VARLEN
     caps = Capabilities(
         devices=frozenset({"cuda"}),
@@ -230,10 +230,6 @@ class FlashVarlenBackend(BackendImpl):
         lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
         lse = lse.masked_fill(lse == math.inf, -math.inf)
         return AttnOutput(out, lse, state)
-
-    @classmethod
-    def fake_state(cls, call: PackedCall) -> tuple:
-        return cls.forward(call).state  # the aten op's own fake kernel gives the shapes
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):

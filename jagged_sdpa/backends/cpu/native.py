@@ -357,7 +357,7 @@ class ForwardRunner:
     from: same shapes, strides and dtypes, the plan's own metadata tensors, no ALiBi (slopes come
     per layer)."""
 
-    __slots__ = ("_params", "_keep", "_shape_out", "_shape_lse", "_dtype", "_dropout", "_lib")
+    __slots__ = ("_params", "_keep", "_shape_out", "_shape_lse", "_dtype", "_dropout", "_options", "_lib")
 
     def __init__(self, call: PackedCall):
         spec = call.spec
@@ -365,6 +365,7 @@ class ForwardRunner:
         self._shape_lse = (spec.heads_q, spec.total_q)
         self._dtype = spec.dtype
         self._dropout = bool(spec.dropout_p)
+        self._options = spec.prefix or spec.sinks  # per-call tensors whose pointers each run sets
         self._keep: list = []
         out = torch.empty(self._shape_out, dtype=spec.dtype)
         lse = torch.empty(self._shape_lse, dtype=torch.float32)
@@ -378,9 +379,10 @@ class ForwardRunner:
         params = self._params
         params.q, params.k, params.v = call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr()
         params.out, params.lse = out.data_ptr(), lse.data_ptr()
-        prefix, sinks = _prefix(call), _sinks(call)  # alive until the kernel returns
-        params.prefix_lens = None if prefix is None else prefix.data_ptr()
-        params.sinks = None if sinks is None else sinks.data_ptr()
+        if self._options:
+            prefix, sinks = _prefix(call), _sinks(call)  # alive until the kernel returns
+            params.prefix_lens = None if prefix is None else prefix.data_ptr()
+            params.sinks = None if sinks is None else sinks.data_ptr()
         params.threads = torch.get_num_threads()
         if self._dropout:
             params.dropout_seed, params.dropout_offset = keyed_dropout.key_words(call.dropout_key)

@@ -9,7 +9,8 @@ float64 reference: forward (every option, fp32/fp16/bf16, both work splits), bac
 paged caches in both directions, dropout masks, odd head dims, NaN propagation. The child proves which library it ran (its build
 target and path), and the library's code is checked for 512-bit registers with ``objdump``. On a
 CPU with AVX512-BF16, CI also builds ``cooperlake`` (AVX512-BF16, no AMX) and runs the bf16 tests
-on its vdpbf16ps tiles, which an AMX machine's native build does not use.
+on its vdpbf16ps tiles, which an AMX machine's native build does not use; and it compiles the AMX
+build (``sapphirerapids``), which no CI machine can run.
 
 A failed build (a value the compiler refuses, a badly spelled value, a missing compiler, a target
 this CPU cannot run) is cpu_fused's reason in ``explain``, and the call runs on MATH.
@@ -104,6 +105,26 @@ def test_bf16_tiles_without_amx_pass_the_bf16_kernel_tests():
     assert proc.returncode == 0, out[-4000:]
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= 60 and not re.search(r"\d+ (failed|error|skipped)", out), out[-2000:]
+
+
+# An AMX Xeon: its native build runs bf16 forward and backward on AMX tiles (tdpbf16ps). No CI
+# machine has AMX, so CI at least compiles that code with the flags users' machines build it with
+# (a change that breaks it fails here, not on their first call) and checks the tile code is in.
+AMX = "sapphirerapids"
+
+
+def test_the_amx_build_compiles_with_its_tile_code(tmp_path):
+    cxx = native._compiler()
+    library = tmp_path / "attention-amx.so"
+    flags = [f.format(arch=AMX) for f in native.FLAGS]
+    proc = subprocess.run([cxx, *flags, str(native.SOURCE), "-o", str(library)], capture_output=True, text=True,
+                          timeout=300)
+    if "unrecognized" in proc.stderr or "bad value" in proc.stderr:
+        pytest.skip(f"{cxx} does not know -march={AMX}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if shutil.which("objdump"):
+        code = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+        assert "tdpbf16ps" in code and "ldtilecfg" in code and "vdpbf16ps" in code
 
 
 def _v3_library(monkeypatch, tmp_path=None):

@@ -212,6 +212,7 @@ inline vf vexp(vf x) {
     return select(under, splat(0.0f), y);
 }
 
+
 // Element access for the three input dtypes; computation is float32.
 // ld16 widens 16 contiguous elements at once.
 struct F32 {
@@ -255,6 +256,44 @@ struct BF16 {
         return static_cast<T>(b >> 16);
     }
 };
+
+#if JS_BF16_DOT
+// exp(x) for probabilities that are rounded to bf16 (8-bit mantissa) before their product: 2^f
+// (f = x log2 e - n, |f| <= 1/2) by a degree-4 minimax polynomial with p(0) = 1, scaled by 2^n
+// with vscalefps: 9 instructions where vexp takes 17, within 7e-6 relative (2.9e-6 the polynomial,
+// the rest x log2 e's rounding at large |x|), 1/300 of bf16's rounding. The exponentials bound
+// bf16 attention on AMX (issue 22); FlashAttention-4 moves part of its own onto a polynomial for
+// the same reason. exp(0) = 1 exactly (every row's top key); exp(-inf) = 0 (x is clamped to -110,
+// where 2^n underflows to exactly 0); NaN stays NaN (vmaxps returns its second operand, x).
+inline vf vexp_bf16(vf x) {
+    __m512 v;
+    std::memcpy(&v, &x, sizeof v);
+    v = _mm512_max_ps(_mm512_set1_ps(-110.f), v);
+    const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.582852944731712e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5906426161527634e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099111557007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241750717163e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));  // exp(0) = 1 exactly: every row's top key
+    v = _mm512_scalef_ps(p, n);
+    vf r;
+    std::memcpy(&r, &v, sizeof r);
+    return r;
+}
+#endif
+
+// The exponential of a call's probabilities, forward and backward alike (the backward's P must be
+// the forward's): bf16 calls where the CPU multiplies bf16 (their P is rounded to bf16 for its
+// products) take vexp_bf16; every other call vexp.
+template <class IO>
+inline vf prob_exp(vf x) {
+#if JS_BF16_DOT
+    if constexpr (std::is_same<IO, BF16>::value) return vexp_bf16(x);
+#endif
+    return vexp(x);
+}
 
 #if JS_AVX512
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i of the rows r[0..16).
@@ -690,6 +729,7 @@ inline float sink_of(const JsParams& p, int64_t h) { return p.sinks ? p.sinks[h]
 // row (O is rescaled by the caller). plain: every row sees the whole block and no softcap/ALiBi
 // applies (no per-score rule), so pre (> 0) rides in the exponent; otherwise the row is scaled first.
 // The alphas are one vexp for all rows (a scalar exp per row cost ~5% of a bf16 call).
+template <class IO>
 inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
                          int64_t pos0, float pre) {
     alignas(64) float m_old[W], m_new[W];
@@ -716,7 +756,7 @@ inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bo
         const vf fv = splat(f), mv = splat(mn);
         vf sum = splat(0.f);
         for (int c = 0; c < 4; ++c) {
-            const vf e = vexp(loadu(row + c * W) * fv - mv);
+            const vf e = prob_exp<IO>(loadu(row + c * W) * fv - mv);
             storeu(row + c * W, e);
             sum += e;
         }
@@ -735,7 +775,7 @@ void tile(const float* qp, int64_t d, const float* kt, const float* vp, int64_t 
     alignas(64) float pb[RR * BK];
     qk_tile<RR>(qp, d, d, kt, pb);
     alignas(64) float alpha[W];  // softmax_rows writes W
-    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
+    softmax_rows<F32>(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);  // as float32 (fp16, and bf16 without bf16 dot products)
     if (rule.p.dropout_p > 0.f)  // l (above) sums the probabilities before dropout, O after
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     column_chunks(dvp, [&](auto nv, int64_t c) {
@@ -812,7 +852,7 @@ void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* k
     alignas(64) uint16_t pbh[RR * BK];
     qk_tile_bf16<RR>(qb, ldq, pairs, kt2, scale, pb);
     alignas(64) float alpha[W];  // softmax_rows writes W
-    softmax_rows(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
+    softmax_rows<BF16>(RR, pb, m, lv, alpha, plain, rule, pos0, 1.f);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < RR; ++r) rule.drop(pb + r * BK, pos0 + r);
     bf16_rows(pb, RR, pbh);
@@ -917,7 +957,7 @@ void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const 
     alignas(64) float pv[TR * 4 * W];
     amx_mm(4, dchunks, false, qb, ldq * 2, 64, kt2, BK * 4, 16 * BK * 4, pb, BK * 4);
     alignas(64) float alpha[W];
-    softmax_rows(rows, pb, m, lv, alpha, plain, rule, pos0, scale);
+    softmax_rows<BF16>(rows, pb, m, lv, alpha, plain, rule, pos0, scale);
     if (rule.p.dropout_p > 0.f)
         for (int r = 0; r < rows; ++r) rule.drop(pb + r * BK, pos0 + r);
     bf16_rows(pb, rows, pbh);
@@ -999,7 +1039,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
             int j = 0;
             vf sum = splat(0.f);
             for (; j + W <= n; j += W) {
-                const vf e = vexp(loadu(sh + j) - splat(mn));
+                const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
                 storeu(sh + j, e);
                 sum += e;
             }
@@ -1522,7 +1562,7 @@ void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, b
                     float* srow = pb + r * BK;
                     rule.apply(srow, c0 + r + shift);
                     vf sum = splat(0.f);
-                    for (int c = 0; c < BK / W; ++c) sum += vexp(loadu(srow + c * W) - splat(lse));
+                    for (int c = 0; c < BK / W; ++c) sum += prob_exp<IO>(loadu(srow + c * W) - splat(lse));
                     w.lse_lo[base + r] += hsum(sum);
                 }
             }
@@ -1690,13 +1730,13 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         alignas(64) float z[BK] = {};
                         dropout_scale(p, b, h, c0 + r, kb, nk, z);
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
+                            const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
                             storeu(srow + c * W, pr * zc);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
                         }
                     } else {
                         for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = vexp((loadu(srow + c * W) - lse) - lse_lo);
+                            const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo);
                             storeu(srow + c * W, pr);
                             storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
                         }

@@ -190,16 +190,18 @@ inline float hsum(vf x) {
 }
 #endif
 
-// exp(x) to ~1 ulp for x <= 88 (Cephes expf); exactly 0 below -87.33, so exp(-inf) = 0.
+// exp(x) to ~1 ulp for x <= 88 (Cephes expf); exactly 0 below -87.33, so exp(-inf) = 0. With
+// AVX-512 the result is scaled by 2^n with vscalefps (the same bits as the multiply by 2^n built in
+// integer lanes, four instructions fewer: exponentials are a fifth of a float32 forward's softmax).
 inline vf vexp(vf x) {
     const vf lo = splat(-87.33654f);
     const vi under = x < lo;
-    x = select(under, lo, x);
+#if !JS_AVX512
+    x = select(under, lo, x);  // AVX-512: lanes below lo are replaced by 0 at the end whatever they hold
+#endif
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     vf t = x * splat(1.44269504088896341f) + magic;
     vf n = t - magic;
-    vi ni = as_int(t);
-    ni -= 0x4B400000;  // the integer n in the low bits of t
     vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
     vf p = splat(1.9875691500E-4f);
     p = p * r + splat(1.3981999507E-3f);
@@ -208,10 +210,19 @@ inline vf vexp(vf x) {
     p = p * r + splat(1.6666665459E-1f);
     p = p * r + splat(5.0000001201E-1f);
     vf y = p * r * r + r + splat(1.0f);
+#if JS_AVX512
+    __m512 ym, nm;
+    std::memcpy(&ym, &y, sizeof ym);
+    std::memcpy(&nm, &n, sizeof nm);
+    ym = _mm512_scalef_ps(ym, nm);
+    std::memcpy(&y, &ym, sizeof y);
+#else
+    vi ni = as_int(t);
+    ni -= 0x4B400000;  // the integer n in the low bits of t
     y = y * as_float((ni + 127) << 23);
+#endif
     return select(under, splat(0.0f), y);
 }
-
 
 // Element access for the three input dtypes; computation is float32.
 // ld16 widens 16 contiguous elements at once.

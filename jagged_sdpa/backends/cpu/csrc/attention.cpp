@@ -1404,15 +1404,58 @@ __attribute__((noinline)) void tacc_tile_bf16(const uint16_t* a, int64_t lda, in
         for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + r * BK + v * W, acc[r][v]);
 }
 
+// dst[c * rows + r] = src[r * ld + c] for r < rows, c < cols (bf16 scratch rows of at least cols
+// elements): 16 rows by 32 columns a step, a word transpose then even and odd elements apart, with
+// masked loads and stores (storing one element at a time, with stride rows, ran ~2% of a W5 call).
+void transpose_bf16(const uint16_t* src, int64_t ld, int64_t rows, int64_t cols, uint16_t* dst) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
+        const __mmask16 m = lanes16(nr);
+        for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+            const int nc = static_cast<int>(std::min<int64_t>(32, cols - c0));
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = i < nr ? row_pairs(src + (r0 + i) * ld + c0, nc) : _mm512_setzero_si512();
+            transpose16(r);  // r[i]: elements c0 + 2i, c0 + 2i + 1 of the 16 rows
+            for (int i = 0; 2 * i < nc; ++i) {
+                _mm256_mask_storeu_epi16(dst + (c0 + 2 * i) * rows + r0, m, _mm512_cvtepi32_epi16(r[i]));
+                if (2 * i + 1 < nc)
+                    _mm256_mask_storeu_epi16(dst + (c0 + 2 * i + 1) * rows + r0, m,
+                                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[i], 16)));
+            }
+        }
+    }
+}
+
 // delta of the bf16 backward: dO_i . O_i summed exactly as qk_tile_bf16 sums dP = dO.V^T (one
 // vdpbf16ps per pair of elements, from 0, in pair order), so that a one-hot row's dP - delta is
-// exactly 0 as in row_deltas. Sixteen rows a vector, one per lane; rows are read element-wise.
+// exactly 0 as in row_deltas. Sixteen rows a vector, one per lane: 16 pairs of 16 rows read with
+// masked loads and transposed (element-wise under AddressSanitizer, like packing).
 void row_deltas_bf16(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* delta) {
     const JsParams& p = g.f;
-    const int64_t dv = p.head_dim_v;
+    const int64_t dv = p.head_dim_v, vpairs = (dv + 1) / 2;
     for (int64_t i0 = 0; i0 < n; i0 += W) {
         const int m = static_cast<int>(std::min<int64_t>(W, n - i0));
         __m512 acc = _mm512_setzero_ps();
+#if JS_PACK512
+        const uint16_t* os[W];
+        const uint16_t* dos[W];
+        for (int r = 0; r < m; ++r) {
+            os[r] = static_cast<const uint16_t*>(p.out) + (q0 + i0 + r) * p.o_tok + h * p.o_head;
+            dos[r] = static_cast<const uint16_t*>(g.dout) + (q0 + i0 + r) * g.do_tok + h * g.do_head;
+        }
+        for (int64_t e0 = 0; e0 < vpairs; e0 += W) {
+            const int ne = static_cast<int>(std::min<int64_t>(32, dv - 2 * e0));
+            __m512i a[W], o[W];
+            for (int r = 0; r < W; ++r) {
+                a[r] = r < m ? row_pairs(dos[r] + 2 * e0, ne) : _mm512_setzero_si512();
+                o[r] = r < m ? row_pairs(os[r] + 2 * e0, ne) : _mm512_setzero_si512();
+            }
+            transpose16(a);  // a[i]: pair e0 + i of the 16 rows
+            transpose16(o);
+            for (int i = 0; i < std::min<int64_t>(W, vpairs - e0); ++i)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)a[i], (__m512bh)o[i]);
+        }
+#else
         for (int64_t e = 0; e < dv; e += 2) {
             alignas(64) uint16_t a[2 * W] = {}, o[2 * W] = {};
             for (int r = 0; r < m; ++r) {
@@ -1428,6 +1471,7 @@ void row_deltas_bf16(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, fl
             }
             acc = _mm512_dpbf16_ps(acc, load_bh(a), load_bh(o));
         }
+#endif
         alignas(64) float out[W];
         _mm512_store_ps(out, acc);
         for (int r = 0; r < m; ++r) delta[i0 + r] = out[r];
@@ -1676,8 +1720,6 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             } else if (dot16) {  // bf16 as given, as the forward's tiles take q
                 std::memcpy(w.qb.data() + row * 2 * pairs, qs, d * sizeof(T));
                 std::memcpy(w.dob.data() + row * 2 * vpairs, dos, dv * sizeof(T));
-                for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
-                for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
                 if (direct)
                     for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
             } else {
@@ -1696,6 +1738,12 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #endif
         row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
+#if JS_BF16_BWD
+    if (dot16) {  // Q^T and dO^T: the A operands of dK^T and dV^T
+        transpose_bf16(w.qb.data(), 2 * pairs, rows, d, w.qT.data());
+        transpose_bf16(w.dob.data(), 2 * vpairs, rows, dv, w.doT.data());
+    }
+#endif
     // K^T of a key block as the scores below read it (none for a direct sequence).
     auto pack_k = [&](const KeyRows<T>& krows, int nk) {
         if (direct) return;

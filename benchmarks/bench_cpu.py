@@ -113,10 +113,10 @@ def _vector_width() -> str:
 
 def kernel_path(w: Workload) -> str:
     """Which instructions the compiled kernel runs this row's products on, by the rules of
-    attention.cpp's header: bf16 forward tiles on AMX (tdpbf16ps) where the CPU has it and Linux
-    grants the tile state, else on AVX512-BF16 (vdpbf16ps); the bf16 backward on AMX, else float32
-    FMAs; decode rows (at most native.DIRECT_ROWS queries per sequence: direct rows) and fp32/fp16
-    in float32 FMAs of the build's vector width. ``js_bf16_tiles`` is the kernel's own answer for
+    attention.cpp's header: bf16 tiles, forward and backward, on AMX (tdpbf16ps) where the CPU has
+    it and Linux grants the tile state, else on AVX512-BF16 (vdpbf16ps); decode rows (at most
+    native.DIRECT_ROWS queries per sequence: direct rows) and fp32/fp16 in float32 FMAs of the
+    build's vector width. ``js_bf16_tiles`` is the kernel's own answer for
     bf16 tiles."""
     lib = native.library()
     if lib is None:
@@ -130,7 +130,7 @@ def kernel_path(w: Workload) -> str:
     fwd = {2: "AMX", 1: "AVX512-BF16"}.get(tiles, fma)
     if not w.backward:
         return fwd
-    return f"{fwd} fwd, {'AMX' if tiles == 2 else fma} bwd"
+    return f"{fwd} fwd, {fwd} bwd"
 
 
 def machine_lines() -> list[str]:

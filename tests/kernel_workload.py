@@ -181,6 +181,11 @@ CASES = {
     "nan_query_rows": _nan_row_case(),
     "backward": _backward_case([130, 0, 1, 67, 9, 3], [130, 5, 70, 0, 140, 2], 4, 2, 40, 24, causal=True,
                                window_size=(50, -1)),
+    # odd head dims (pairs of elements with a zero beside the last), Dv != D, GQA, odd row chunks
+    # (64 + 3 rows: a half pair in the bf16 transposed products), dropout
+    "backward_odd_dims_gqa_dropout": _backward_case([67, 1, 9, 130], [130, 70, 2, 67], 6, 2, 33, 21, causal=True,
+                                                    window_size=(70, -1), dropout_p=0.1),
+    "backward_d1": _backward_case([5, 70], [70, 3], 2, 1, 1, 3),
     "backward_softcap": _backward_case([70, 2, 10], [70, 90, 2], 2, 1, 16, 16, softcap=3.0, window_size=(0, 0)),
     "paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True, window_size=(30, 0)),
     "paged_odd_blocks": _paged_case([3, 1, 1], [5, 1, 33], 5, 2, 2, 8, softcap=2.0),

@@ -122,6 +122,38 @@ def test_row_with_one_key(backend, dtype):
         assert torch.equal(dv[:, 0], (grad_out[:, 0].float() + grad_out[:, 1].float()).to(dtype))
 
 
+KERNEL_BACKENDS = [p for p in BACKENDS if p.id.startswith("cpu_fused")]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_bf16_row_with_one_key(backend):
+    """The same in bf16, whose backward multiplies bf16 (vdpbf16ps or AMX tiles, P and dS rounded
+    to bf16): its S is the forward's bit for bit and its delta rounds as its dP, so P is exactly 1,
+    dS exactly 0 (dq, dk 0) and dv the incoming gradient summed over the group in float32. |lse|
+    reaches 256 here, so the rows' lse corrections run on those scores too."""
+    q, k, v, cu_q, cu_k = _one_key_rows(torch.bfloat16)
+    with _backend("math"):
+        grad_out = 2 * jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, softmax_scale=1.0)
+    out, lse, dq, dk, dv = check_rule(backend, q, k, v, cu_q, cu_k, grad_out, causal=True, softmax_scale=1.0)
+    assert torch.equal(out[:, 0], v[:, 0]) and torch.equal(out[:, 1], v[:, 0])
+    assert (dk == 0).all() and (dq == 0).all()
+    assert torch.equal(dv[:, 0], (grad_out[:, 0].float() + grad_out[:, 1].float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_bf16_rows_over_long_contexts(backend):
+    """bf16, q x 30 over 80-115 keys (one query, and 70-row sequences: several row chunks and key
+    blocks, odd chunks of rows): one-hot softmaxes, |lse| past 256 (lse corrections), GQA 2:1."""
+    gen = torch.Generator().manual_seed(4)
+    q_lens, k_lens = [1, 70, 1, 67], [80, 97, 115, 130]
+    cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
+    q = (torch.randn(sum(q_lens), 2, 64, generator=gen) * 30).to(torch.bfloat16)
+    k = torch.randn(sum(k_lens), 1, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(k_lens), 1, 64, generator=gen).to(torch.bfloat16)
+    grad_out = torch.randn(sum(q_lens), 2, 64, generator=gen).to(torch.bfloat16)
+    check_rule(backend, q, k, v, cu_q, cu_k, grad_out, causal=True, softmax_scale=1.0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_query_over_a_long_context(backend):
     """The issue's variant: one query over 80-115 keys (decode rows), q x 30: every softmax one-hot

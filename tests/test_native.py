@@ -153,8 +153,8 @@ def test_threads_do_not_change_a_bit(split, dtype):
 
 def test_bf16_runs_on_the_widest_tiles_this_cpu_has():
     """bf16 inputs run on AMX tiles (forward and backward) where the CPU has AMX (amx_bf16 in
-    /proc/cpuinfo: Linux offers the tile state), on vdpbf16ps tiles (forward) where it has
-    AVX512-BF16 alone, else on float32 FMAs: the bf16 tests here ran on this CPU's best tiles.
+    /proc/cpuinfo: Linux offers the tile state), on vdpbf16ps tiles (forward and backward) where it
+    has AVX512-BF16 alone, else on float32 FMAs: the bf16 tests here ran on this CPU's best tiles.
     test_portable_build.py runs them on the other two."""
     lib = native.library()
     if lib is None or native.target_arch() != "native":
@@ -256,6 +256,41 @@ def test_backward_head_dims_gqa_and_nan_buffers(heads, dims):
                                  ("dv", leaves[2].grad, v64.grad, cu_k)):
         assert torch.isfinite(got).all()
         assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True)
+
+
+@pytest.mark.parametrize("dims", [(1, 1), (24, 40), (33, 21), (72, 72), (80, 8), (200, 96)],
+                         ids=lambda t: f"d{t[0]}_dv{t[1]}")
+@pytest.mark.parametrize("heads", [(6, 2), (6, 1)], ids=["gqa3", "mqa"])
+@pytest.mark.parametrize("opts", [{"causal": True, "window_size": (50, -1)},
+                                  {"softcap": 2.0, "alibi_slopes": "per_head", "window_size": (90, 20)}],
+                         ids=["causal_window", "softcap_alibi_window"])
+def test_bf16_backward_head_dims_and_gqa(opts, heads, dims):
+    """The bf16 backward's products (vdpbf16ps or AMX tiles: P and dS rounded to bf16, sums float32)
+    at head dims that are no multiple of 16 or 32 (a zero beside the last element pair), Dv != D,
+    GQA and MQA, odd chunks of rows (67, 9, 3: a half pair over rows), against float64 within 3x
+    MATH's own bf16 error."""
+    hq, hkv = heads
+    d, dv = dims
+    q, k, v = (torch.randn(sum(lens), h, e).to(torch.bfloat16).requires_grad_(True)
+               for lens, h, e in ((GRAD_Q_LENS, hq, d), (GRAD_K_LENS, hkv, d), (GRAD_K_LENS, hkv, dv)))
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(GRAD_Q_LENS), hq, high=0.3)
+    call = {key: val for key, val in opts.items() if key != "alibi_slopes"}
+    cu_q, cu_k = cu_of(GRAD_Q_LENS), cu_of(GRAD_K_LENS)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, backend=CPU, **call)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, cu_q, cu_k, causal=opts.get("causal", False), alignment="bottom_right",
+                                 window=opts.get("window_size", (-1, -1)), softcap=opts.get("softcap", 0.0),
+                                 alibi_slopes=None if slopes is None else slopes.double())
+    ref.backward(grad.double())
+    q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    jagged_sdpa.varlen_attention(q2, k2, v2, cu_q, cu_k, alibi_slopes=slopes, backend=Backend.MATH,
+                                 **call).backward(grad)
+    for name_, got, want, low, cu in (("dq", q.grad, q64.grad, q2.grad, cu_q), ("dk", k.grad, k64.grad, k2.grad, cu_k),
+                                      ("dv", v.grad, v64.grad, v2.grad, cu_k)):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert_close_packed(got, want, cu_seqlens=cu, name=name_, grad=True, lowp_ref=low)
 
 
 def _paged_grad_case(dtype, block_size, d=24, dv=16, hq=4, hkv=2):

@@ -19,11 +19,10 @@
 // are one more logit per head in each row's denominator, folded in when the row is written
 // (finish_row): the lse includes them, so the backward's P = exp(S - lse) needs nothing more.
 // Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load), except
-// bf16 products: where the CPU has AMX (and Linux
-// grants its tile state) the forward and the backward multiply bf16 on AMX tiles (tdpbf16ps, 16
-// query rows a tile), where it has AVX512-BF16 only the forward uses vdpbf16ps; products are exact
-// and sums float32, but P (and the backward's dS) is rounded to bf16 for its product, as flash
-// attention does on GPUs (js_bf16_tiles says which).
+// bf16 products: where the CPU has AMX (and Linux grants its tile state) the forward and the
+// backward multiply bf16 on AMX tiles (tdpbf16ps, 16 query rows a tile), where it has AVX512-BF16
+// alone both use vdpbf16ps; products are exact and sums float32, but P (and the backward's dS) is
+// rounded to bf16 for its product, as flash attention does on GPUs (js_bf16_tiles says which).
 //
 // Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
 // loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
@@ -78,6 +77,13 @@
 #define JS_AMX 1  // bf16 forward tiles on AMX (tdpbf16ps) when Linux grants the tile state
 #else
 #define JS_AMX 0
+#endif
+// The bf16 backward on vdpbf16ps (where there is no AMX) transposes its dK/dV accumulators back
+// with AVX-512 word transposes.
+#if JS_BF16_DOT && JS_AVX512
+#define JS_BF16_BWD 1
+#else
+#define JS_BF16_BWD 0
 #endif
 
 namespace {
@@ -856,6 +862,20 @@ inline void bf16_rows(const float* x, int nrows, uint16_t* dst) {
                                                                                _mm512_loadu_ps(x + r * BK + c)));
 }
 
+// Rows (r0, r0 + 1) of x (floats, rows BK apart) as bf16 pairs dst[(r0 / 2) * 2 BK + 2j + r % 2]:
+// the B operand of a product over rows. nrows even.
+inline void bf16_row_pairs(const float* x, int nrows, uint16_t* dst) {
+    alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_load_si512(interleave);
+    for (int r = 0; r < nrows; r += 2)
+        for (int c = 0; c < BK; c += W) {
+            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * BK + c));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * BK + c));
+            _mm512_storeu_si512(dst + r * BK + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        }
+}
+
 template <int RR>
 void tile_bf16(const uint16_t* qb, int64_t ldq, int64_t pairs, const uint32_t* kt2, const uint16_t* vp2, int64_t dvp,
                float* o, float* m, vf* lv, bool plain, const RowRule& rule, int64_t pos0, float scale) {
@@ -943,20 +963,6 @@ inline void amx_mm(int nc, int64_t kt, bool acc, const void* a, int64_t lda, int
     if (nc > 1) _tile_stored(1, c + W, ldc);
     if (nc > 2) _tile_stored(2, c + 2 * W, ldc);
     if (nc > 3) _tile_stored(3, c + 3 * W, ldc);
-}
-
-// Rows (r0, r0 + 1) of x (floats, rows BK apart) as bf16 pairs dst[(r0 / 2) * 2 BK + 2j + r % 2]:
-// the B operand of a product over rows. nrows even.
-inline void bf16_row_pairs(const float* x, int nrows, uint16_t* dst) {
-    alignas(64) static constexpr uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_load_si512(interleave);
-    for (int r = 0; r < nrows; r += 2)
-        for (int c = 0; c < BK; c += W) {
-            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * BK + c));
-            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * BK + c));
-            _mm512_storeu_si512(dst + r * BK + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
-        }
 }
 
 // One AMX micro-tile: rows (<= TR) query rows against one packed key block, as tile_bf16. qb has
@@ -1279,7 +1285,10 @@ void run_all(const JsParams& p) {
 // forward's mask, recomputed) gives dV += (P o Z)^T.dO and dS = P * (dP o Z - delta); delta =
 // rowsum(dO o O) is unchanged (O is the dropped output). On AMX (bf16) the five products are tiles
 // of 16 rows: dV and dK accumulate transposed (dV^T += dO^T.P over the chunk's rows, 32 at a time)
-// and are transposed back once per key block.
+// and are transposed back once per key block. On vdpbf16ps (bf16, AVX512-BF16 without AMX) the
+// same transposed layout in register tiles of R rows x BK keys (tacc_tile_bf16), S and dP on the
+// forward's qk_tile_bf16, dQ on pv_tile_bf16: the backward of W5 (bf16) ran 1.5x faster than on
+// float32 FMAs.
 //
 // A paged cache is read in place through the block table, and dK/dV are cache-shaped. Sequences
 // may share cache blocks (prefix caching; a row may even list a block twice), so a block's dK/dV
@@ -1367,6 +1376,23 @@ struct GradScratch {
         ds.resize(BQ_BWD * BK);
         raw.resize(BQ_BWD * BK);
     }
+    // vdpbf16ps (bf16 without AMX): q and dO rows as given (padded to pairs) and transposed, K^T and
+    // V^T pairs, K pairs of rows, P and dS pairs of rows, dS rows, dK^T and dV^T (dp, dvp rows: those
+    // past d, dv stay 0 for transpose_into).
+    void fit_dot(int64_t rows, int64_t dp, int64_t dvp, int64_t pairs, int64_t vpairs) {
+        qb.assign(rows * 2 * pairs, 0);
+        dob.assign(rows * 2 * vpairs, 0);
+        qT.assign(dp * rows, 0);
+        doT.assign(dvp * rows, 0);
+        kt2.resize(pairs * BK);
+        vt2.resize(vpairs * BK);
+        kp2.resize(BK * dp);
+        pvn.resize(BQ_BWD * BK);
+        dsvn.resize(BQ_BWD * BK);
+        ds16.resize(BQ_BWD * BK);
+        dkT.resize(dp * BK);
+        dvT.resize(dvp * BK);
+    }
     void fit_amx(int64_t rows, int64_t dp, int64_t dvp, int64_t dpad, int64_t dvpad) {
         qb.assign(rows * dpad, 0);
         dob.assign(rows * dvpad, 0);
@@ -1383,7 +1409,7 @@ struct GradScratch {
     }
 };
 
-#if JS_AMX
+#if JS_BF16_BWD
 // dst[j * width + e] = scale * src[e * BK + j] for j < BK, e < width (a multiple of 16).
 inline void transpose_into(const float* src, int64_t width, float scale, float* dst) {
     const __m512 sc = _mm512_set1_ps(scale);
@@ -1395,6 +1421,112 @@ inline void transpose_into(const float* src, int64_t width, float scale, float* 
             for (int i = 0; i < 16; ++i)
                 _mm512_storeu_ps(dst + (j0 + i) * width + e0, _mm512_mul_ps(_mm512_castsi512_ps(r[i]), sc));
         }
+}
+#endif
+
+#if JS_BF16_BWD
+// The bf16 backward on vdpbf16ps (no AMX): S = Q.K^T and dP = dO.V^T are the forward's
+// qk_tile_bf16 (S bit for bit the forward's), dQ += dS.K is pv_tile_bf16 over K as pairs of keys;
+// dV and dK accumulate transposed, as on AMX, so that the sum over the chunk's rows is the pair
+// dimension and each output row is one block of BK keys (R x 4 vectors, as the float32 tiles):
+// C[RR][BK] += A[RR][n] . B[n][BK], A rows (dO^T, Q^T: bf16 over scratch rows, lda apart),
+// B the chunk's P or dS as pairs of rows (bf16_row_pairs). An odd n ends on a half pair: A's
+// element with a zero beside it (B's row n is zero), so nothing past the chunk's rows is read.
+template <int RR>
+__attribute__((noinline)) void tacc_tile_bf16(const uint16_t* a, int64_t lda, int n, const uint32_t* b2, float* c) {
+    __m512 acc[RR][4];
+    for (int r = 0; r < RR; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_loadu_ps(c + r * BK + v * W);
+    auto step = [&](const uint32_t* brow, auto&& a_word) {
+        const __m512bh b0 = load_bh(brow), b1 = load_bh(brow + W), b2v = load_bh(brow + 2 * W), b3 = load_bh(brow + 3 * W);
+        for (int r = 0; r < RR; ++r) {
+            const __m512bh aw = a_word(r);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], aw, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], aw, b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], aw, b2v);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], aw, b3);
+        }
+    };
+    const int pairs = n / 2;
+    for (int e = 0; e < pairs; ++e) step(b2 + e * BK, [&](int r) { return bcast_pair(a + r * lda + 2 * e); });
+    if (n % 2)
+        step(b2 + pairs * BK, [&](int r) { return (__m512bh)_mm512_set1_epi32(a[r * lda + n - 1]); });
+    for (int r = 0; r < RR; ++r)
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + r * BK + v * W, acc[r][v]);
+}
+
+// dst[c * rows + r] = src[r * ld + c] for r < rows, c < cols (bf16 scratch rows of at least cols
+// elements): 16 rows by 32 columns a step, a word transpose then even and odd elements apart, with
+// masked loads and stores (storing one element at a time, with stride rows, ran ~2% of a W5 call).
+void transpose_bf16(const uint16_t* src, int64_t ld, int64_t rows, int64_t cols, uint16_t* dst) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
+        const __mmask16 m = lanes16(nr);
+        for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+            const int nc = static_cast<int>(std::min<int64_t>(32, cols - c0));
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = i < nr ? row_pairs(src + (r0 + i) * ld + c0, nc) : _mm512_setzero_si512();
+            transpose16(r);  // r[i]: elements c0 + 2i, c0 + 2i + 1 of the 16 rows
+            for (int i = 0; 2 * i < nc; ++i) {
+                _mm256_mask_storeu_epi16(dst + (c0 + 2 * i) * rows + r0, m, _mm512_cvtepi32_epi16(r[i]));
+                if (2 * i + 1 < nc)
+                    _mm256_mask_storeu_epi16(dst + (c0 + 2 * i + 1) * rows + r0, m,
+                                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[i], 16)));
+            }
+        }
+    }
+}
+
+// delta of the bf16 backward: dO_i . O_i summed exactly as qk_tile_bf16 sums dP = dO.V^T (one
+// vdpbf16ps per pair of elements, from 0, in pair order), so that a one-hot row's dP - delta is
+// exactly 0 as in row_deltas. Sixteen rows a vector, one per lane: 16 pairs of 16 rows read with
+// masked loads and transposed (element-wise under AddressSanitizer, like packing).
+void row_deltas_bf16(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* delta) {
+    const JsParams& p = g.f;
+    const int64_t dv = p.head_dim_v, vpairs = (dv + 1) / 2;
+    for (int64_t i0 = 0; i0 < n; i0 += W) {
+        const int m = static_cast<int>(std::min<int64_t>(W, n - i0));
+        __m512 acc = _mm512_setzero_ps();
+#if JS_PACK512
+        const uint16_t* os[W];
+        const uint16_t* dos[W];
+        for (int r = 0; r < m; ++r) {
+            os[r] = static_cast<const uint16_t*>(p.out) + (q0 + i0 + r) * p.o_tok + h * p.o_head;
+            dos[r] = static_cast<const uint16_t*>(g.dout) + (q0 + i0 + r) * g.do_tok + h * g.do_head;
+        }
+        for (int64_t e0 = 0; e0 < vpairs; e0 += W) {
+            const int ne = static_cast<int>(std::min<int64_t>(32, dv - 2 * e0));
+            __m512i a[W], o[W];
+            for (int r = 0; r < W; ++r) {
+                a[r] = r < m ? row_pairs(dos[r] + 2 * e0, ne) : _mm512_setzero_si512();
+                o[r] = r < m ? row_pairs(os[r] + 2 * e0, ne) : _mm512_setzero_si512();
+            }
+            transpose16(a);  // a[i]: pair e0 + i of the 16 rows
+            transpose16(o);
+            for (int i = 0; i < std::min<int64_t>(W, vpairs - e0); ++i)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)a[i], (__m512bh)o[i]);
+        }
+#else
+        for (int64_t e = 0; e < dv; e += 2) {
+            alignas(64) uint16_t a[2 * W] = {}, o[2 * W] = {};
+            for (int r = 0; r < m; ++r) {
+                const int64_t row = q0 + i0 + r;
+                const uint16_t* os = static_cast<const uint16_t*>(p.out) + row * p.o_tok + h * p.o_head;
+                const uint16_t* dos = static_cast<const uint16_t*>(g.dout) + row * g.do_tok + h * g.do_head;
+                a[2 * r] = dos[e];
+                o[2 * r] = os[e];
+                if (e + 1 < dv) {
+                    a[2 * r + 1] = dos[e + 1];
+                    o[2 * r + 1] = os[e + 1];
+                }
+            }
+            acc = _mm512_dpbf16_ps(acc, load_bh(a), load_bh(o));
+        }
+#endif
+        alignas(64) float out[W];
+        _mm512_store_ps(out, acc);
+        for (int r = 0; r < m; ++r) delta[i0 + r] = out[r];
+    }
 }
 #endif
 
@@ -1533,7 +1665,8 @@ void row_deltas(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* 
 // 2^-11 at |lse| ~ 1e4, where MATH's P is exact (a one-hot row's top key; dv 2e-3 off). For rows
 // whose |lse| is at least LSE_EXACT this sums P over the row's keys once more, with the forward's
 // scores (``scores``): the sum is exp(L - lse) for the L = m + log(l) the forward rounded, and its
-// log goes to w.lse_lo, which the backward subtracts from S - lse. That pass costs about a forward
+// log goes to w.lse_lo, which the backward subtracts from S - lse (``pack_k`` packs a key block
+// as ``scores`` reads it: the bf16 backward's scores are the forward's vdpbf16ps ones). That pass costs about a forward
 // without P.V (+40% on a backward whose every row needs it). Below LSE_EXACT the rounding moves P
 // by < 7.6e-6 (relative; the float32 gradient floor is 1e-4), and rows of ordinary logits (even
 // attention sinks) never pay for it.
@@ -1541,12 +1674,12 @@ constexpr float LSE_EXACT = 256.f;
 
 inline bool lse_inexact(float lse) { return std::fabs(lse) >= LSE_EXACT && !std::isinf(lse); }
 
-template <class IO, class Scores>
-void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, bool direct, GradScratch& w,
+template <class IO, class Pack, class Scores>
+void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, GradScratch& w, Pack&& pack_k,
                      Scores&& scores) {
     typedef typename IO::T T;
     const JsParams& p = g.f;
-    const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t group = p.heads_q / p.heads_kv, len_q = p.cu_q[b + 1] - p.cu_q[b];
     const int64_t len_k = key_count(p, b), shift = p.bottom_right ? len_k - len_q : 0;
     bool any = false;
     for (int64_t row = 0; row < group * lq; ++row) any |= lse_inexact(w.lse[row]);
@@ -1555,7 +1688,7 @@ void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, b
     for (int64_t kb = 0; kb < len_k; kb += BK) {
         const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
         const KeyRows<T> krows = k_rows<T>(p, b, kb, hk);
-        if (!direct) pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+        pack_k(krows, nk);
         for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t h = hk * group + gi;
             const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
@@ -1603,13 +1736,21 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #else
     constexpr bool amx = false;
 #endif
+    // bf16 without AMX: the five products on vdpbf16ps (dot16).
+    constexpr bool dot16_ok = JS_BF16_BWD && std::is_same<IO, BF16>::value;
+    const bool dot16 = dot16_ok && !amx;
+    const int64_t pairs = (d + 1) / 2, vpairs = (dv + 1) / 2;  // dot16: q.k and dO.v as pairs
     // Scratch rows: query head gi's row i at gi * lq + i. AMX tiles sum over rows 32 at a time, so
     // there each head's rows are padded to a multiple of 32 with zero rows (lse +inf: P = 0).
     const int64_t lq = amx ? (len_q + 31) / 32 * 32 : len_q;
     const int64_t rows = group * lq;
     const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
-    w.fit(rows, dp, dvp, amx);
+    w.fit(rows, dp, dvp, amx || dot16);
     if (amx) w.fit_amx(rows, dp, dvp, dpad, dvpad);
+    if (dot16) {
+        w.fit_dot(rows, dp, dvp, pairs, vpairs);
+        if (direct) w.q.assign(rows * dp, 0.f);  // direct scores: dot<IO> on scaled float32 q
+    }
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
         for (int64_t i = 0; i < lq; ++i) {
@@ -1627,6 +1768,11 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
                 for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
                 for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
+            } else if (dot16) {  // bf16 as given, as the forward's tiles take q
+                std::memcpy(w.qb.data() + row * 2 * pairs, qs, d * sizeof(T));
+                std::memcpy(w.dob.data() + row * 2 * vpairs, dos, dv * sizeof(T));
+                if (direct)
+                    for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
             } else {
                 for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
                 for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
@@ -1635,10 +1781,30 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
             w.lse_lo[row] = 0.f;
         }
+#if JS_BF16_BWD
+        if (dot16) {
+            row_deltas_bf16(g, q0, len_q, h, w.delta.data() + gi * lq);
+            continue;
+        }
+#endif
         row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
+#if JS_BF16_BWD
+    if (dot16) {  // Q^T and dO^T: the A operands of dK^T and dV^T
+        transpose_bf16(w.qb.data(), 2 * pairs, rows, d, w.qT.data());
+        transpose_bf16(w.dob.data(), 2 * vpairs, rows, dv, w.doT.data());
+    }
+#endif
+    // K^T of a key block as the scores below read it (none for a direct sequence).
+    auto pack_k = [&](const KeyRows<T>& krows, int nk) {
+        if (direct) return;
+        if constexpr (dot16_ok)
+            if (dot16) return pack_transposed<IO, true>(krows, nk, d, pairs, w.kt2.data());
+        pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+    };
     // S (unmasked) of scratch rows base .. base + n against key block kb, rounded as the forward
-    // rounded it: dot<IO> on the key rows for a direct sequence, else qk_tile on K^T packed in w.kt.
+    // rounded it: dot<IO> on the key rows for a direct sequence, else qk_tile on K^T packed in w.kt
+    // (qk_tile_bf16 on K^T pairs in w.kt2 for dot16).
     auto scores = [&](int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
         if (direct) {
             for (int r = 0; r < n; ++r) {
@@ -1648,11 +1814,19 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             }
             return;
         }
+#if JS_BF16_BWD
+        if (dot16) {
+#define JS_QK16(RR, r) qk_tile_bf16<RR>(w.qb.data() + (base + r) * 2 * pairs, 2 * pairs, pairs, w.kt2.data(), p.scale, pb + r * BK)
+            JS_FOR_TILES(n, JS_QK16)
+#undef JS_QK16
+            return;
+        }
+#endif
 #define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
         JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
     };
-    if (!amx) lse_corrections<IO>(g, b, hk, lq, direct, w, scores);
+    if (!amx) lse_corrections<IO>(g, b, hk, lq, w, pack_k, scores);
     // The sinks' gradient (API.md 11): the sink's share of row i is P_sink = exp(sink_h - lse_i)
     // (lse includes the sink, corrected like P below), and d lse_i / d sink_h = P_sink, so
     // dsink_h = -sum_i P_sink,i * delta_i (delta_i = dO_i . O_i). A row that saw no key has O = 0.
@@ -1692,10 +1866,15 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             pack_rows<IO, true>(krows, nk, d, dp, w.kp2.data());
             std::fill(w.dkT.begin(), w.dkT.end(), 0.f);
             std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
+        } else if (dot16) {  // K^T and V^T pairs, K as pairs of keys; dK^T, dV^T accumulate
+            pack_k(krows, nk);
+            pack_transposed<IO, true>(vrows, nk, dv, vpairs, w.vt2.data());
+            pack_rows<IO, true>(krows, nk, d, dp, w.kp2.data());
+            std::fill(w.dkT.begin(), w.dkT.end(), 0.f);
+            std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
         } else {  // K^T, V^T and K rows (zero past nk)
             std::fill(w.kr.begin(), w.kr.end(), 0.f);
-            if (!direct)  // direct sequences' scores read the key rows in place (dot<IO>)
-                pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
+            pack_k(krows, nk);  // direct sequences' scores read the key rows in place (dot<IO>)
             pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
             pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
             std::fill(w.dk.begin(), w.dk.end(), 0.f);
@@ -1722,7 +1901,15 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
                 }
 #endif
-                if (!amx) {
+#if JS_BF16_BWD
+                if (dot16) {
+                    scores(base, n, krows, nk, pb);
+#define JS_DP16(RR, r) qk_tile_bf16<RR>(w.dob.data() + (base + r) * 2 * vpairs, 2 * vpairs, vpairs, w.vt2.data(), 1.f, dsb + r * BK)
+                    JS_FOR_TILES(n, JS_DP16)
+#undef JS_DP16
+                }
+#endif
+                if (!amx && !dot16) {
                     scores(base, n, krows, nk, pb);
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
                     JS_FOR_TILES(n, JS_DP)
@@ -1778,6 +1965,32 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                     continue;
                 }
 #endif
+#if JS_BF16_BWD
+                if (dot16) {  // P and dS rounded to bf16 for their products, as on AMX
+                    if (n % 2) {  // the half pair's zero row
+                        std::fill(pb + n * BK, pb + (n + 1) * BK, 0.f);
+                        std::fill(dsb + n * BK, dsb + (n + 1) * BK, 0.f);
+                    }
+                    bf16_row_pairs(pb, n + n % 2, w.pvn.data());
+                    bf16_row_pairs(dsb, n + n % 2, w.dsvn.data());
+                    bf16_rows(dsb, n, w.ds16.data());
+#define JS_DV16(RR, e) tacc_tile_bf16<RR>(w.doT.data() + (e) * rows + base, rows, n, reinterpret_cast<const uint32_t*>(w.pvn.data()), w.dvT.data() + (e) * BK)
+                    JS_FOR_TILES(static_cast<int>(dv), JS_DV16)  // dV^T += dO^T.P
+#undef JS_DV16
+#define JS_DK16(RR, e) tacc_tile_bf16<RR>(w.qT.data() + (e) * rows + base, rows, n, reinterpret_cast<const uint32_t*>(w.dsvn.data()), w.dkT.data() + (e) * BK)
+                    JS_FOR_TILES(static_cast<int>(d), JS_DK16)  // dK^T += Q^T.dS (unscaled)
+#undef JS_DK16
+                    const int kpairs = (nk + 1) / 2;  // dS is 0 past nk, K pairs are 0 past nk
+#define JS_DQ16(RR, r)                                                                                             \
+    column_chunks(dp, [&](auto nv, int64_t c) {                                                                   \
+        pv_tile_bf16<RR, decltype(nv)::value>(w.ds16.data() + (r) * BK, kOnes, kpairs, w.kp2.data() + 2 * c, dp,  \
+                                              w.dq.data() + (base + (r)) * dp + c);                                \
+    })
+                    JS_FOR_TILES(n, JS_DQ16)  // dQ += dS.K
+#undef JS_DQ16
+                    continue;
+                }
+#endif
                 tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
                 tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
 #define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
@@ -1785,8 +1998,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #undef JS_DQ
             }
         }
-#if JS_AMX
-        if (amx) {  // dK^T (scaled) and dV^T into key rows
+#if JS_BF16_BWD
+        if (amx || dot16) {  // dK^T (scaled) and dV^T into key rows
             transpose_into(w.dkT.data(), dp, p.scale, w.dk.data());
             transpose_into(w.dvT.data(), dvp, 1.f, w.dv.data());
         }
@@ -1887,8 +2100,8 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
 
 extern "C" int js_abi_version() { return 8; }
 
-// What bf16 tiles run on in this process: 2 AMX (tdpbf16ps: forward and backward), 1 AVX512-BF16
-// (vdpbf16ps: forward), 0 float32 FMAs on widened values. Tests and the benchmark read it.
+// What bf16 tiles run on in this process, forward and backward: 2 AMX (tdpbf16ps), 1 AVX512-BF16
+// (vdpbf16ps), 0 float32 FMAs on widened values. Tests and the benchmark read it.
 extern "C" int js_bf16_tiles() {
 #if JS_AMX
     if (amx_ready()) return 2;

@@ -1007,7 +1007,8 @@ inline __m512 sum16(const __m512* a) {
 // so their scores agree bit for bit (a one-hot row of huge logits shows a 1-ulp difference in its
 // gradients). With AVX-512: one chain of FMAs (vdpbf16ps) per pair over the head dim in order,
 // masked at the tail, then sum16; the same bits whatever a pair's slot.
-template <class IO>
+// OneQ: every qp[i] is qp[0] (one query row against n keys), loaded once per chunk.
+template <class IO, bool OneQ = false>
 inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* const* kp, int n, int64_t d, float scale,
                           float* s) {
 #if JS_AVX512
@@ -1016,10 +1017,11 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
     if constexpr (direct_pairs<IO>) {
         for (int64_t e = 0; e < d; e += 2 * W) {
             const int ne = static_cast<int>(std::min<int64_t>(2 * W, d - e));
+            const __m512i q0 = OneQ ? direct_load_pairs(qp[0] + e, ne) : _mm512_setzero_si512();
 #pragma GCC unroll 16
             for (int i = 0; i < W; ++i)
                 if (i < n)
-                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)direct_load_pairs(qp[i] + e, ne),
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)(OneQ ? q0 : direct_load_pairs(qp[i] + e, ne)),
                                               (__m512bh)direct_load_pairs(kp[i] + e, ne));
         }
         _mm512_mask_storeu_ps(s, lanes16(n), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
@@ -1027,9 +1029,12 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
         for (int64_t e = 0; e < d; e += W) {
             const int ne = static_cast<int>(std::min<int64_t>(W, d - e));
             const __mmask16 mk = lanes16(ne);
+            const __m512 q0 = OneQ ? _mm512_maskz_loadu_ps(mk, qp[0] + e) : _mm512_setzero_ps();
 #pragma GCC unroll 16
             for (int i = 0; i < W; ++i)
-                if (i < n) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, qp[i] + e), direct_load<IO>(kp[i] + e, ne), acc[i]);
+                if (i < n)
+                    acc[i] = _mm512_fmadd_ps(OneQ ? q0 : _mm512_maskz_loadu_ps(mk, qp[i] + e), direct_load<IO>(kp[i] + e, ne),
+                                             acc[i]);
         }
         _mm512_mask_storeu_ps(s, lanes16(n), sum16(acc));
     }
@@ -1178,7 +1183,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
                     qs[j] = q_of(h);
                     ks[j] = rows[j] + off;
                 }
-                direct_scores<IO>(qs, ks, nb, d, p.scale, s + h * DIRECT_KEYS + j0);
+                direct_scores<IO, true>(qs, ks, nb, d, p.scale, s + h * DIRECT_KEYS + j0);
             }
         }
         for (int64_t h = 0; h < heads; ++h) {
@@ -1813,7 +1818,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                         qs[j] = qr;
                         ks[j] = krows(j0 + j);
                     }
-                    direct_scores<IO>(qs, ks, nb, d, p.scale, pb + r * BK + j0);
+                    direct_scores<IO, true>(qs, ks, nb, d, p.scale, pb + r * BK + j0);
                 }
                 std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
             }

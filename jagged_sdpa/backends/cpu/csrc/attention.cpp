@@ -983,8 +983,8 @@ inline __m512i direct_load_pairs(const uint16_t* x, int n) {
 #endif
 }
 
-// Lane j of the result: the sum of the lanes of a[j]. One transposing tree for 16 sums (a tree
-// of shuffles per sum cost 4x more); every lane gets the same order of adds (e with e + 8, then
+// Lane j of the result: the sum of the lanes of a[j]. One transposing tree for 16 sums (45 shuffles
+// and adds, where 16 hsums take 128); every lane gets the same order of adds (e with e + 8, then
 // + 4, + 2, + 1), so a score's bits do not depend on its key's slot in a block.
 inline __m512 sum16(const __m512* a) {
     __m512 t[8], u[4], v[2];
@@ -1158,7 +1158,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     // Blocks walk their rows head by head, which the hardware prefetchers follow poorly (the loads
     // stalled most of the time; software prefetches of the next block helped fp32 only). So each
     // step's K, then its V, is first read in memory order, one byte a line (kept: volatile), into
-    // L2 (bf16 W4 -20%, fp32 -15%; touching a block ahead as the blocks run was slower).
+    // L2 (W4 on one thread: bf16 -35%, fp32 -15%; touching a block ahead as the blocks ran was slower).
     auto touch = [&](const T* x, int64_t tok, int64_t blk, int64_t hstride, int64_t len, int64_t j0, int64_t j1) {
         const int64_t bytes = len * sizeof(T);
         for (int64_t j = j0; j < j1; ++j) {

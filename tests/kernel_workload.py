@@ -170,6 +170,10 @@ CASES = {
     "tiles_plain_gqa": _varlen_case([70, 9, 3, 130], [130, 5, 70, 65], 6, 2, 40, 40),
     "decode_rows": _varlen_case([1, 2, 1, 1, 2], [300, 0, 40, 1, 70], 8, 2, 64, 48, alibi="per_head",
                                 causal=True, window_size=(100, 0)),
+    # Direct rows in bf16/fp16 pairs: odd head dims (pair and row tails), Dv past 32, GQA.
+    "decode_rows_odd_dims": _varlen_case([1, 1, 2, 1], [300, 33, 70, 1], 6, 2, 37, 45, causal=True, softcap=5.0),
+    "decode_rows_odd_dims_backward": _backward_case([1, 1, 2], [300, 37, 70], 6, 2, 37, 45, causal=True),
+    "decode_rows_odd_dims_paged": _paged_case([1, 1, 1], [77, 40, 5], 16, 6, 2, 37, causal=True),
     "windows_past_keys_varlen": _varlen_case([10, 3, 0, 70, 2, 9], [2, 0, 4, 3, 70, 150], 2, 1, 24, 24,
                                              window_size=(0, 0)),
     "windows_int64_max": _varlen_case([10, 3, 70], [2, 0, 90], 2, 1, 16, 16, causal=True,

@@ -666,3 +666,82 @@ def test_decode_rows_with_a_gradient(dtype, split):
     for name, got, ref, lens in (("dq", q.grad, refs[0], q_lens), ("dk", k.grad, refs[1], DECODE_K_LENS),
                                  ("dv", v.grad, refs[2], DECODE_K_LENS)):
         assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True)
+
+
+# Direct rows over several steps of keys, in every input dtype, with GQA and head dims that are
+# not multiples of 16 or 32 (the kernel's bf16 pairs and masked row tails), Dv != D, and with the
+# per-score options; fp16/bf16 against MATH's own error in the same dtype.
+DECODE_LONG_K_LENS = [300, 1, 37, 0, 600, 19]
+DECODE_DIMS = [(1, 1), (24, 24), (37, 45), (72, 80), (96, 96), (200, 72)]
+DECODE_OPTIONS = {
+    "causal": {"causal": True},
+    "softcap_alibi_window": {"causal": True, "softcap": 5.0, "alibi_slopes": "per_head", "window_size": (250, 0)},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dims", DECODE_DIMS, ids=lambda d: f"d{d[0]}_dv{d[1]}")
+@pytest.mark.parametrize("name", list(DECODE_OPTIONS))
+def test_decode_rows_long_gqa_odd_dims(name, dims, dtype, split):
+    opts = DECODE_OPTIONS[name]
+    q_lens = [1] * len(DECODE_LONG_K_LENS)
+    hq, hkv = 8, 2
+    q, k, v = _inputs(q_lens, DECODE_LONG_K_LENS, hq, hkv, *dims, dtype)
+    slopes = alibi_slopes(opts.get("alibi_slopes"), len(q_lens), hq)
+    out, lse = _run(q, k, v, q_lens, DECODE_LONG_K_LENS, opts, slopes)
+    ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_LONG_K_LENS, opts, slopes)
+    lowp = _math_same_dtype(q, k, v, q_lens, DECODE_LONG_K_LENS, opts, slopes) if dtype != torch.float32 else None
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(q_lens), lowp_ref=lowp)
+    assert_close_lse(lse, ref_lse)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # the row with no keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"])
+def test_decode_rows_same_bits_on_one_and_two_threads(dtype):
+    q_lens = [1] * len(DECODE_LONG_K_LENS)
+    q, k, v = _inputs(q_lens, DECODE_LONG_K_LENS, 8, 2, 37, 45, dtype)
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(_run(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True}, None))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_decode_rows_nan_key_reaches_only_its_rows(split):
+    """A NaN in one key of a long sequence: that row's out and lse are NaN (as in dense attention),
+    every other row matches the reference."""
+    q_lens = [1] * len(DECODE_LONG_K_LENS)
+    q, k, v = _inputs(q_lens, DECODE_LONG_K_LENS, 4, 2, 24, 24, torch.bfloat16)
+    k[300 + 1 + 20, 1, 5] = float("nan")  # sequence 2, key 20, kv head 1 (query heads 2, 3)
+    out, lse = _run(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True}, None)
+    assert torch.isnan(out[2, 2:]).all() and torch.isnan(lse[2:, 2]).all()
+    keep = [0, 1, 4, 5]
+    ref_out, ref_lse = _reference(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True}, None)
+    assert_close_packed(out[keep], ref_out[keep], cu_seqlens=cu_of([1] * 4),
+                        lowp_ref=_math_same_dtype(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True}, None)[keep])
+    assert not torch.isnan(out[2, :2]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_rows_gradient_odd_dims_gqa(dtype, split):
+    """The backward of direct sequences recomputes their scores with the forward's function."""
+    q_lens = [1] * len(DECODE_LONG_K_LENS)
+    q, k, v = _inputs(q_lens, DECODE_LONG_K_LENS, 6, 2, 37, 45, dtype, requires_grad=True)
+    out, _ = _run(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True, "softcap": 4.0}, None)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    refs = _reference_grads(q, k, v, q_lens, DECODE_LONG_K_LENS, {"causal": True, "softcap": 4.0}, None, grad)
+    lowp = [None] * 3
+    if dtype != torch.float32:
+        q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out2, _ = _run(q2, k2, v2, q_lens, DECODE_LONG_K_LENS, {"causal": True, "softcap": 4.0}, None,
+                       backend=Backend.MATH)
+        out2.backward(grad)
+        lowp = [q2.grad, k2.grad, v2.grad]
+    for i, (name, got, ref, lens) in enumerate((("dq", q.grad, refs[0], q_lens), ("dk", k.grad, refs[1], DECODE_LONG_K_LENS),
+                                                ("dv", v.grad, refs[2], DECODE_LONG_K_LENS))):
+        assert_close_packed(got, ref, cu_seqlens=cu_of(lens), name=name, grad=True, lowp_ref=lowp[i], fudge=3.0)

@@ -22,7 +22,8 @@
 // bf16 products: where the CPU has AMX (and Linux grants its tile state) the forward and the
 // backward multiply bf16 on AMX tiles (tdpbf16ps, 16 query rows a tile), where it has AVX512-BF16
 // alone both use vdpbf16ps; products are exact and sums float32, but P (and the backward's dS) is
-// rounded to bf16 for its product, as flash attention does on GPUs (js_bf16_tiles says which).
+// rounded to bf16 for its product, as flash attention does on GPUs (js_bf16_tiles says which), and
+// its exponentials are a 9-instruction polynomial (vexp_bf16) accurate well past that rounding.
 //
 // Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
 // loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
@@ -1005,17 +1006,191 @@ inline float dot(const float* a, const typename IO::T* b, int64_t d) {
 
 constexpr int DIRECT_KEYS = 256;  // most keys per step of a direct row (scratch size)
 
-// A row attended on its own (decode: one query, or a few), all heads at once: no packing, since
-// nothing would reuse it, and each key's K and V rows are read once for every head, in memory
-// order (per head, a strided walk ran at a third of the speed). Its visible keys are one range,
-// so masks are bounds; keys go in steps of DIRECT_KEYS with an online softmax per head.
-// Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x Dv), m and l (Hq).
+// Direct rows multiply bf16 as pairs (vdpbf16ps, as the bf16 tiles): q as given, S = scale * q.k
+// in float32, P rounded to bf16 for P.V. Otherwise q is float32, pre-scaled.
 template <class IO>
-void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, float* o, float* m, float* l) {
+constexpr bool direct_pairs = JS_BF16_DOT && JS_AVX512 && std::is_same<IO, BF16>::value;
+template <class IO>
+using DirectQ = std::conditional_t<direct_pairs<IO>, uint16_t, float>;
+// Columns of a head's O in the scratch: whole vectors, or whole 32-column chunks for pairs.
+template <class IO>
+inline int64_t direct_width(int64_t dv) { return direct_pairs<IO> ? (dv + 2 * W - 1) / (2 * W) * (2 * W) : (dv + W - 1) / W * W; }
+
+#if JS_AVX512
+// The first n (<= 16) elements of a row as floats, zero past n: a masked load, or under
+// AddressSanitizer (which does not see intrinsic loads) element by element, so that a read past a
+// row is reported.
+template <class IO>
+inline __m512 direct_load(const typename IO::T* x, int n) {
+#if JS_PACK512
+    return _mm512_castsi512_ps(row_words(IO{}, x, n));
+#else
+    alignas(64) float t[W] = {};
+    for (int i = 0; i < n; ++i) t[i] = IO::ld(x + i);
+    return _mm512_load_ps(t);
+#endif
+}
+// The first n (<= 32) bf16 elements of a row, zero past n (as direct_load).
+inline __m512i direct_load_pairs(const uint16_t* x, int n) {
+#if JS_PACK512
+    return row_pairs(x, n);
+#else
+    alignas(64) uint16_t t[2 * W] = {};
+    for (int i = 0; i < n; ++i) t[i] = x[i];
+    return _mm512_load_si512(t);
+#endif
+}
+
+// Lane j of the result: the sum of the lanes of a[j]. One transposing tree for 16 sums (45 shuffles
+// and adds, where 16 hsums take 128); every lane gets the same order of adds (e with e + 8, then
+// + 4, + 2, + 1), so a score's bits do not depend on its key's slot in a block.
+inline __m512 sum16(const __m512* a) {
+    __m512 t[8], u[4], v[2];
+    for (int i = 0; i < 8; ++i)  // a[2i] lanes e + (e + 8) in the low half, a[2i + 1]'s in the high
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; ++i)  // 128-bit lane c: a[4i + c]'s four partials
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; ++i)
+        v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xdd));
+    // Lane 4c + m holds the sum of a[4m + c].
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+#endif
+
+// Raw scores of n <= 16 (query, key) pairs (rows qp[i], kp[i]): s[i] = q.k, scaled for pairs.
+// The forward's direct rows and the backward of a direct sequence (its `scores`) both call this,
+// so their scores agree bit for bit (a one-hot row of huge logits shows a 1-ulp difference in its
+// gradients). With AVX-512: one chain of FMAs (vdpbf16ps) per pair over the head dim in order,
+// masked at the tail, then sum16; the same bits whatever a pair's slot.
+// OneQ: every qp[i] is qp[0] (one query row against n keys), loaded once per chunk.
+template <class IO, bool OneQ = false>
+inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* const* kp, int n, int64_t d, float scale,
+                          float* s) {
+#if JS_AVX512
+    __m512 acc[W];
+    for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
+    if constexpr (direct_pairs<IO>) {
+        for (int64_t e = 0; e < d; e += 2 * W) {
+            const int ne = static_cast<int>(std::min<int64_t>(2 * W, d - e));
+            const __m512i q0 = OneQ ? direct_load_pairs(qp[0] + e, ne) : _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int i = 0; i < W; ++i)
+                if (i < n)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)(OneQ ? q0 : direct_load_pairs(qp[i] + e, ne)),
+                                              (__m512bh)direct_load_pairs(kp[i] + e, ne));
+        }
+        _mm512_mask_storeu_ps(s, lanes16(n), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    } else {
+        for (int64_t e = 0; e < d; e += W) {
+            const int ne = static_cast<int>(std::min<int64_t>(W, d - e));
+            const __mmask16 mk = lanes16(ne);
+            const __m512 q0 = OneQ ? _mm512_maskz_loadu_ps(mk, qp[0] + e) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+            for (int i = 0; i < W; ++i)
+                if (i < n)
+                    acc[i] = _mm512_fmadd_ps(OneQ ? q0 : _mm512_maskz_loadu_ps(mk, qp[i] + e), direct_load<IO>(kp[i] + e, ne),
+                                             acc[i]);
+        }
+        _mm512_mask_storeu_ps(s, lanes16(n), sum16(acc));
+    }
+#else
+    (void)scale;
+    for (int i = 0; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
+#endif
+}
+
+// O[dvo] += P[nb] . V[nb keys][dv] for a block of nb <= 16 keys (rows vr[j] + off). Pairs: P in
+// bf16 (zero past nb, nb rounded up to even), V rows interleaved two by two, and each 32-column
+// chunk of O in the column order of the unpacks (direct_unpermute restores it).
+template <class IO>
+inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T* const* vr, int64_t off, int nb,
+                      int64_t dv, float* o) {
+#if JS_AVX512
+    if constexpr (direct_pairs<IO>) {
+        (void)ph;
+        for (int64_t c = 0; c < dv; c += 4 * W) {  // 64 columns: two chunks of 32 (low and high pairs)
+            const int nc = static_cast<int>(std::min<int64_t>(4 * W, dv - c));
+            __m512 acc[4];
+            for (int i = 0; i < 4; ++i) acc[i] = i / 2 * 2 * W < nc ? _mm512_loadu_ps(o + c + i * W) : _mm512_setzero_ps();
+            for (int j = 0; j < nb; j += 2) {
+                const __m512bh pw = bcast_pair(pbh + j);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h) {
+                    if (h * 2 * W >= nc) break;
+                    const int ne = std::min(2 * W, nc - h * 2 * W);
+                    const __m512i a = direct_load_pairs(vr[j] + off + c + h * 2 * W, ne);
+                    const __m512i b = j + 1 < nb ? direct_load_pairs(vr[j + 1] + off + c + h * 2 * W, ne) : _mm512_setzero_si512();
+                    acc[2 * h] = _mm512_dpbf16_ps(acc[2 * h], pw, (__m512bh)_mm512_unpacklo_epi16(a, b));
+                    acc[2 * h + 1] = _mm512_dpbf16_ps(acc[2 * h + 1], pw, (__m512bh)_mm512_unpackhi_epi16(a, b));
+                }
+            }
+            for (int i = 0; i < 4; ++i)
+                if (i / 2 * 2 * W < nc) _mm512_storeu_ps(o + c + i * W, acc[i]);
+        }
+    } else {
+        (void)pbh;
+        for (int64_t c = 0; c < dv; c += 4 * W) {
+            const int nc = static_cast<int>(std::min<int64_t>(4 * W, dv - c));
+            __m512 acc[4];
+            for (int i = 0; i < 4; ++i) acc[i] = i * W < nc ? _mm512_loadu_ps(o + c + i * W) : _mm512_setzero_ps();
+            for (int j = 0; j < nb; ++j) {
+                const __m512 pj = _mm512_set1_ps(ph[j]);
+                const typename IO::T* x = vr[j] + off + c;
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i)
+                    if (i * W < nc) acc[i] = _mm512_fmadd_ps(pj, direct_load<IO>(x + i * W, std::min(W, nc - i * W)), acc[i]);
+            }
+            for (int i = 0; i < 4; ++i)
+                if (i * W < nc) _mm512_storeu_ps(o + c + i * W, acc[i]);
+        }
+    }
+#else
+    (void)pbh;
+    for (int j = 0; j < nb; ++j) {
+        const typename IO::T* x = vr[j] + off;
+        int64_t e = 0;
+        for (; e + W <= dv; e += W) storeu(o + e, loadu(o + e) + splat(ph[j]) * IO::ld16(x + e));
+        for (; e < dv; ++e) o[e] += ph[j] * IO::ld(x + e);
+    }
+#endif
+}
+
+// Pairs: each 32-column chunk of o holds columns 0-3, 8-11, 16-19, 24-27 (unpacklo), then 4-7,
+// 12-15, 20-23, 28-31 (unpackhi); back to column order, in place.
+template <class IO>
+inline void direct_unpermute(float* o, int64_t dvo) {
+    if constexpr (direct_pairs<IO>) {
+        alignas(64) float t[2 * W];
+        for (int64_t c = 0; c < dvo; c += 2 * W) {
+            for (int i = 0; i < 2 * W; ++i) t[i] = o[c + i];
+            for (int i = 0; i < 2 * W; ++i) o[c + (i % W) / 4 * 8 + (i / W) * 4 + i % 4] = t[i];
+        }
+    } else {
+        (void)o;
+        (void)dvo;
+    }
+}
+
+// A row attended on its own (decode: one query, or a few), all heads at once: no packing, since
+// nothing would reuse it; keys go in steps of DIRECT_KEYS with an online softmax per head (per
+// head over a whole sequence, a strided walk ran at a third of the speed). In a step: scores, then
+// P.V, in blocks of 16 keys, each taken head by head (16 scores in one sum16; O loaded and stored
+// once per block; the rows of a GQA group's heads come from L1). Its visible keys are one range,
+// so masks are bounds.
+// Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x direct_width), m and l (Hq), pbh (Hq x
+// DIRECT_KEYS, pairs: P in bf16).
+template <class IO>
+void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, float* o, float* m, float* l,
+                uint16_t* pbh) {
     typedef typename IO::T T;
+    constexpr bool pairs = direct_pairs<IO>;
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
     const int64_t d = p.head_dim, dv = p.head_dim_v, heads = p.heads_q, group = p.heads_q / p.heads_kv;
+    const int64_t dvo = direct_width<IO>(dv);
     const int64_t row = p.cu_q[b] + r;
     const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
     const int64_t len_k = key_count(p, b);
@@ -1023,65 +1198,101 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
     const T* q = static_cast<const T*>(p.q) + row * p.q_tok;
     for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t e = 0; e < d; ++e) qv[h * d + e] = IO::ld(q + h * p.q_head + e) * p.scale;
+        if (!pairs)
+            for (int64_t e = 0; e < d; ++e) qv[h * d + e] = IO::ld(q + h * p.q_head + e) * p.scale;
         m[h] = -INFINITY;
         l[h] = 0.f;
     }
-    std::fill(o, o + heads * dv, 0.f);
+    auto q_of = [&](int64_t h) -> const DirectQ<IO>* {  // pairs: the bf16 row in place
+        if constexpr (pairs)
+            return q + h * p.q_head;
+        else
+            return qv + h * d;
+    };
+    std::fill(o, o + heads * dvo, 0.f);
     int64_t lo, hi;
     key_range(p, b, pos, len_k, &lo, &hi);
     const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
+    // Blocks walk their rows head by head, which the hardware prefetchers follow poorly (the loads
+    // stalled most of the time; software prefetches of the next block helped fp32 only). So each
+    // step's K, then its V, is first read in memory order, one byte a line (kept: volatile), into
+    // L2 (W4 on one thread: bf16 -35%, fp32 -15%; touching a block ahead as the blocks ran was slower).
+    auto touch = [&](const T* x, int64_t tok, int64_t blk, int64_t hstride, int64_t len, int64_t j0, int64_t j1) {
+        const int64_t bytes = len * sizeof(T);
+        for (int64_t j = j0; j < j1; ++j) {
+            const char* c = reinterpret_cast<const char*>(x + key_offset(p, b, j, tok, blk));
+            for (int64_t g = 0; g < p.heads_kv; ++g, c += hstride * sizeof(T))
+                for (int64_t e = 0; e < bytes; e += 64) (void)*reinterpret_cast<const volatile char*>(c + e);
+        }
+    };
+    const T* rows[W];
     for (int64_t kb = lo; kb < hi; kb += step) {
         const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
-        for (int j = 0; j < n; ++j) {
-            const T* krow = k + key_offset(p, b, kb + j, p.k_tok, p.k_block);
+        const int np = (n + W - 1) / W * W;  // scores and P padded to whole vectors
+        touch(k, p.k_tok, p.k_block, p.k_head, d, kb, kb + n);
+        for (int j0 = 0; j0 < n; j0 += W) {
+            const int nb = std::min(W, n - j0);
+            const DirectQ<IO>* qs[W];
+            const T* ks[W];
+            for (int j = 0; j < nb; ++j) rows[j] = k + key_offset(p, b, kb + j0 + j, p.k_tok, p.k_block);
             for (int64_t h = 0; h < heads; ++h) {
-                float x = dot<IO>(qv + h * d, krow + (h / group) * p.k_head, d);
-                if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
-                if (slopes) x -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
-                s[h * DIRECT_KEYS + j] = x;
+                const int64_t off = (h / group) * p.k_head;
+                for (int j = 0; j < nb; ++j) {
+                    qs[j] = q_of(h);
+                    ks[j] = rows[j] + off;
+                }
+                direct_scores<IO, true>(qs, ks, nb, d, p.scale, s + h * DIRECT_KEYS + j0);
             }
         }
         for (int64_t h = 0; h < heads; ++h) {
             float* sh = s + h * DIRECT_KEYS;
+            if (p.softcap > 0.f)
+                for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
+            if (slopes)
+                for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
             float bm = -INFINITY;
             for (int j = 0; j < n; ++j) bm = std::max(bm, sh[j]);
             if (adds_nothing(bm, sh, n)) {  // every score -inf: exp(-inf - -inf) would be NaN
-                std::fill(sh, sh + n, 0.f);
-                continue;
+                std::fill(sh, sh + np, 0.f);
+            } else {
+                const float mn = std::max(m[h], bm);
+                const float alpha = std::exp(m[h] - mn);
+                m[h] = mn;
+                std::fill(sh + n, sh + np, -INFINITY);
+                vf sum = splat(0.f);
+                for (int j = 0; j < np; j += W) {
+                    const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
+                    storeu(sh + j, e);
+                    sum += e;
+                }
+                std::fill(sh + n, sh + np, 0.f);  // exp(-inf - mn) is NaN where mn is -inf (a NaN row)
+                l[h] = l[h] * alpha + hsum(sum);
+                for (int64_t e = 0; e < dvo; e += W) storeu(o + h * dvo + e, loadu(o + h * dvo + e) * splat(alpha));
+                if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
             }
-            const float mn = std::max(m[h], bm);
-            const float alpha = std::exp(m[h] - mn);
-            m[h] = mn;
-            int j = 0;
-            vf sum = splat(0.f);
-            for (; j + W <= n; j += W) {
-                const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
-                storeu(sh + j, e);
-                sum += e;
-            }
-            float tail = 0.f;
-            for (; j < n; ++j) tail += (sh[j] = std::exp(sh[j] - mn));
-            l[h] = l[h] * alpha + hsum(sum) + tail;
-            for (int64_t e = 0; e < dv; ++e) o[h * dv + e] *= alpha;
-            if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);
+#if JS_BF16_DOT
+            if constexpr (pairs)  // P rounded to bf16 for P.V, as the bf16 tiles round it
+                for (int j = 0; j < np; j += 2 * W)
+                    _mm512_storeu_si512(pbh + h * DIRECT_KEYS + j,
+                                        (__m512i)_mm512_cvtne2ps_pbh(j + W < np ? _mm512_loadu_ps(sh + j + W) : _mm512_setzero_ps(),
+                                                                     _mm512_loadu_ps(sh + j)));
+#endif
         }
-        for (int j = 0; j < n; ++j) {
-            const T* vrow = v + key_offset(p, b, kb + j, p.v_tok, p.v_block);
-            for (int64_t h = 0; h < heads; ++h) {
-                const T* vh = vrow + (h / group) * p.v_head;
-                float* oh = o + h * dv;
-                const float pj = s[h * DIRECT_KEYS + j];
-                int64_t e = 0;
-                for (; e + W <= dv; e += W) storeu(oh + e, loadu(oh + e) + splat(pj) * IO::ld16(vh + e));
-                for (; e < dv; ++e) oh[e] += pj * IO::ld(vh + e);
-            }
+        touch(v, p.v_tok, p.v_block, p.v_head, dv, kb, kb + n);
+        for (int j0 = 0; j0 < n; j0 += W) {
+            const int nb = std::min(W, n - j0);
+            for (int j = 0; j < nb; ++j) rows[j] = v + key_offset(p, b, kb + j0 + j, p.v_tok, p.v_block);
+            for (int64_t h = 0; h < heads; ++h)
+                direct_pv<IO>(s + h * DIRECT_KEYS + j0, pbh + h * DIRECT_KEYS + j0, rows, (h / group) * p.v_head, nb, dv,
+                              o + h * dvo);
         }
     }
     T* out = static_cast<T*>(p.out) + row * p.o_tok;
-    for (int64_t h = 0; h < heads; ++h)
-        finish_row<IO>(o + h * dv, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
+    for (int64_t h = 0; h < heads; ++h) {
+        direct_unpermute<IO>(o + h * dvo, dvo);
+        finish_row<IO>(o + h * dvo, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
                        p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
+    }
 }
 
 // Per thread, sized for what its items need: a call of direct rows only (decoding) never
@@ -1089,9 +1300,11 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
 struct Scratch {
     std::vector<float> q, kt, v, o, m, s, dl;
     std::vector<vf> l;
+    std::vector<uint16_t> pbh;  // direct rows' P in bf16 (pairs)
     void fit_direct(int64_t d, int64_t dv, int64_t heads) {
         q.resize(std::max<size_t>(q.size(), heads * d));
-        o.resize(std::max<size_t>(o.size(), heads * dv));
+        o.resize(std::max<size_t>(o.size(), heads * ((dv + 2 * W - 1) / (2 * W) * (2 * W))));  // >= direct_width
+        pbh.resize(heads * DIRECT_KEYS);
         m.resize(std::max<size_t>(m.size(), heads));
         s.resize(heads * DIRECT_KEYS);
         dl.resize(heads);
@@ -1119,7 +1332,8 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     if (it.h < 0) {  // direct rows, all heads
         w.fit_direct(p.head_dim, p.head_dim_v, p.heads_q);
         for (int r = 0; r < it.rows; ++r)
-            direct_row<IO>(p, it.b, it.row0 + r, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data());
+            direct_row<IO>(p, it.b, it.row0 + r, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data(),
+                           w.pbh.data());
         return;
     }
     const T* q = static_cast<const T*>(p.q);
@@ -1739,6 +1953,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     // bf16 without AMX: the five products on vdpbf16ps (dot16).
     constexpr bool dot16_ok = JS_BF16_BWD && std::is_same<IO, BF16>::value;
     const bool dot16 = dot16_ok && !amx;
+    static_assert(!dot16_ok || direct_pairs<IO>, "dot16 keeps no float32 q: direct scores read bf16 q in place");
     const int64_t pairs = (d + 1) / 2, vpairs = (dv + 1) / 2;  // dot16: q.k and dO.v as pairs
     // Scratch rows: query head gi's row i at gi * lq + i. AMX tiles sum over rows 32 at a time, so
     // there each head's rows are padded to a multiple of 32 with zero rows (lse +inf: P = 0).
@@ -1747,10 +1962,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
     w.fit(rows, dp, dvp, amx || dot16);
     if (amx) w.fit_amx(rows, dp, dvp, dpad, dvpad);
-    if (dot16) {
-        w.fit_dot(rows, dp, dvp, pairs, vpairs);
-        if (direct) w.q.assign(rows * dp, 0.f);  // direct scores: dot<IO> on scaled float32 q
-    }
+    if (dot16) w.fit_dot(rows, dp, dvp, pairs, vpairs);  // direct scores read bf16 q in place (direct_pairs)
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
         for (int64_t i = 0; i < lq; ++i) {
@@ -1771,8 +1983,6 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             } else if (dot16) {  // bf16 as given, as the forward's tiles take q
                 std::memcpy(w.qb.data() + row * 2 * pairs, qs, d * sizeof(T));
                 std::memcpy(w.dob.data() + row * 2 * vpairs, dos, dv * sizeof(T));
-                if (direct)
-                    for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
             } else {
                 for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
                 for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
@@ -1803,13 +2013,27 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
         pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
     };
     // S (unmasked) of scratch rows base .. base + n against key block kb, rounded as the forward
-    // rounded it: dot<IO> on the key rows for a direct sequence, else qk_tile on K^T packed in w.kt
-    // (qk_tile_bf16 on K^T pairs in w.kt2 for dot16).
+    // rounded it: direct_scores on the key rows for a direct sequence, else qk_tile on K^T packed in
+    // w.kt (qk_tile_bf16 on K^T pairs in w.kt2 for dot16).
     auto scores = [&](int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
-        if (direct) {
+        if (direct) {  // direct_scores, as direct_row: pairs take the bf16 q rows in place
             for (int r = 0; r < n; ++r) {
-                const float* qr = w.q.data() + (base + r) * dp;
-                for (int j = 0; j < nk; ++j) pb[r * BK + j] = dot<IO>(qr, krows(j), d);
+                const int64_t row = base + r;
+                const DirectQ<IO>* qr;
+                if constexpr (direct_pairs<IO>)
+                    qr = static_cast<const T*>(p.q) + (q0 + row % lq) * p.q_tok + (hk * group + row / lq) * p.q_head;
+                else
+                    qr = w.q.data() + row * dp;
+                const DirectQ<IO>* qs[W];
+                const T* ks[W];
+                for (int j0 = 0; j0 < nk; j0 += W) {
+                    const int nb = std::min(W, nk - j0);
+                    for (int j = 0; j < nb; ++j) {
+                        qs[j] = qr;
+                        ks[j] = krows(j0 + j);
+                    }
+                    direct_scores<IO, true>(qs, ks, nb, d, p.scale, pb + r * BK + j0);
+                }
                 std::fill(pb + r * BK + nk, pb + (r + 1) * BK, 0.f);
             }
             return;
@@ -1874,7 +2098,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             std::fill(w.dvT.begin(), w.dvT.end(), 0.f);
         } else {  // K^T, V^T and K rows (zero past nk)
             std::fill(w.kr.begin(), w.kr.end(), 0.f);
-            pack_k(krows, nk);  // direct sequences' scores read the key rows in place (dot<IO>)
+            pack_k(krows, nk);  // direct sequences' scores read the key rows in place (direct_scores)
             pack_transposed<IO, false>(vrows, nk, dv, dv, reinterpret_cast<uint32_t*>(w.vt.data()));
             pack_rows<IO, false>(krows, nk, d, dp, w.kr.data());
             std::fill(w.dk.begin(), w.dk.end(), 0.f);

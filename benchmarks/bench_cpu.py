@@ -115,18 +115,18 @@ def kernel_path(w: Workload) -> str:
     """Which instructions the compiled kernel runs this row's products on, by the rules of
     attention.cpp's header: bf16 tiles, forward and backward, on AMX (tdpbf16ps) where the CPU has
     it and Linux grants the tile state, else on AVX512-BF16 (vdpbf16ps); decode rows (at most
-    native.DIRECT_ROWS queries per sequence: direct rows) and fp32/fp16 in float32 FMAs of the
-    build's vector width. ``js_bf16_tiles`` is the kernel's own answer for
-    bf16 tiles."""
+    native.DIRECT_ROWS queries per sequence: direct rows) in bf16 on vdpbf16ps wherever the CPU has
+    it (AMX or not); fp32/fp16 in float32 FMAs of the build's vector width. ``js_bf16_tiles`` is
+    the kernel's own answer for bf16 tiles."""
     lib = native.library()
     if lib is None:
         return "no compiled kernel"
     fma = f"fp32 FMA ({_vector_width()})"
+    tiles = lib.js_bf16_tiles()
     if all(n <= native.DIRECT_ROWS for n in w.q_lengths):
-        return f"direct rows, {fma}"
+        return f"direct rows, {'AVX512-BF16' if w.dtype == torch.bfloat16 and tiles else fma}"
     if w.dtype != torch.bfloat16:
         return fma
-    tiles = lib.js_bf16_tiles()
     fwd = {2: "AMX", 1: "AVX512-BF16"}.get(tiles, fma)
     if not w.backward:
         return fwd

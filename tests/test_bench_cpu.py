@@ -47,7 +47,7 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
         assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
     assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| [\d.]+ \| "
                      r"\d+ \| \d+ \(\d+%\) \|", out, re.M), out
-    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, fp32 FMA \([\w.-]+\) \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, (AVX512-BF16|fp32 FMA \([\w.-]+\)) \| [\d.]+ \|", out, re.M), out
     assert re.search(r"^# W4 bfloat16 fwd: reading its K/V once", out, re.M), out
     assert re.search(r"^# W4 fwd: reading its K/V once \(k.sum\(\) \+ v.sum\(\)\) [\d.]+ ms, ours [\d.]+x that$", out,
                      re.M), out
@@ -97,7 +97,8 @@ def test_tile_micro_benchmark_builds_and_measures(tmp_path):
 
 def test_kernel_path_names_what_the_kernel_runs_each_row_on():
     """Issue 22: each row says which path ran it; bf16 tiles as the kernel itself reports them
-    (js_bf16_tiles), decode rows as direct rows, fp32 on FMAs of the build's vector width."""
+    (js_bf16_tiles), decode rows as direct rows (bf16 on vdpbf16ps wherever there are bf16 tiles),
+    fp32 on FMAs of the build's vector width."""
     bench = _bench()
     from workloads import W1, W3, W4, W5
 
@@ -107,7 +108,7 @@ def test_kernel_path_names_what_the_kernel_runs_each_row_on():
     tiles = {2: "AMX", 1: "AVX512-BF16"}.get(lib.js_bf16_tiles())
     fma = f"fp32 FMA ({bench._vector_width()})"
     assert bench.kernel_path(W1) == fma and bench.kernel_path(W4) == f"direct rows, {fma}"
-    assert bench.kernel_path(W4.with_(dtype=torch.bfloat16)) == f"direct rows, {fma}"
+    assert bench.kernel_path(W4.with_(dtype=torch.bfloat16)) == f"direct rows, {'AVX512-BF16' if tiles else fma}"
     assert bench.kernel_path(W5) == (tiles or fma) == bench.kernel_path(W3.with_(dtype=torch.bfloat16))
     assert bench.kernel_path(W5.with_(backward=True)) == f"{tiles or fma} fwd, {tiles or fma} bwd"
     if "avx512f" in native.build_target():

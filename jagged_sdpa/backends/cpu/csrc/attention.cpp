@@ -1567,13 +1567,13 @@ void xb_rows(const float* x, int nk, const float* b, float* o, int64_t width) {
 
 struct GradScratch {
     std::vector<float> q, dout, dq, lse, lse_lo, delta, kt, kr, vt, dk, dv, p, ds, raw;
-    // AMX (bf16): q and dO rows and transposed (rows padded), K^T and V^T pairs, K pairs of rows,
+    // bf16 products (fit_bf16): q and dO rows and transposed, K^T and V^T pairs, K pairs of rows,
     // P and dS as pairs of rows and dS as rows in bf16, dK^T and dV^T accumulators.
     std::vector<uint16_t> qb, dob, qT, doT, kp2, pvn, dsvn, ds16;
     std::vector<uint32_t> kt2, vt2;
     std::vector<float> dkT, dvT;
-    void fit(int64_t rows, int64_t dp, int64_t dvp, bool amx) {
-        if (!amx) {
+    void fit(int64_t rows, int64_t dp, int64_t dvp, bool bf16) {  // bf16: float32 q, dO and K^T unused
+        if (!bf16) {
             q.assign(rows * dp, 0.f);
             dout.assign(rows * dvp, 0.f);
             kt.resize(dp * BK);
@@ -1590,30 +1590,17 @@ struct GradScratch {
         ds.resize(BQ_BWD * BK);
         raw.resize(BQ_BWD * BK);
     }
-    // vdpbf16ps (bf16 without AMX): q and dO rows as given (padded to pairs) and transposed, K^T and
-    // V^T pairs, K pairs of rows, P and dS pairs of rows, dS rows, dK^T and dV^T (dp, dvp rows: those
-    // past d, dv stay 0 for transpose_into).
-    void fit_dot(int64_t rows, int64_t dp, int64_t dvp, int64_t pairs, int64_t vpairs) {
-        qb.assign(rows * 2 * pairs, 0);
-        dob.assign(rows * 2 * vpairs, 0);
+    // bf16 products (AMX tiles, or vdpbf16ps without AMX): q and dO rows as given, qw and dow
+    // elements apart (padded with zeros: to 32 for AMX tiles, to pairs for vdpbf16ps), and
+    // transposed; K^T and V^T pairs, K pairs of rows, P and dS pairs of rows, dS rows, dK^T and dV^T
+    // (dp, dvp rows: those past d, dv stay 0 for transpose_into).
+    void fit_bf16(int64_t rows, int64_t dp, int64_t dvp, int64_t qw, int64_t dow) {
+        qb.assign(rows * qw, 0);
+        dob.assign(rows * dow, 0);
         qT.assign(dp * rows, 0);
         doT.assign(dvp * rows, 0);
-        kt2.resize(pairs * BK);
-        vt2.resize(vpairs * BK);
-        kp2.resize(BK * dp);
-        pvn.resize(BQ_BWD * BK);
-        dsvn.resize(BQ_BWD * BK);
-        ds16.resize(BQ_BWD * BK);
-        dkT.resize(dp * BK);
-        dvT.resize(dvp * BK);
-    }
-    void fit_amx(int64_t rows, int64_t dp, int64_t dvp, int64_t dpad, int64_t dvpad) {
-        qb.assign(rows * dpad, 0);
-        dob.assign(rows * dvpad, 0);
-        qT.assign(dp * rows, 0);
-        doT.assign(dvp * rows, 0);
-        kt2.resize(dpad / 2 * BK);
-        vt2.resize(dvpad / 2 * BK);
+        kt2.resize(qw / 2 * BK);
+        vt2.resize(dow / 2 * BK);
         kp2.resize(BK * dp);
         pvn.resize(BQ_BWD * BK);
         dsvn.resize(BQ_BWD * BK);
@@ -1961,8 +1948,8 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
     const int64_t rows = group * lq;
     const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
     w.fit(rows, dp, dvp, amx || dot16);
-    if (amx) w.fit_amx(rows, dp, dvp, dpad, dvpad);
-    if (dot16) w.fit_dot(rows, dp, dvp, pairs, vpairs);  // direct scores read bf16 q in place (direct_pairs)
+    if (amx) w.fit_bf16(rows, dp, dvp, dpad, dvpad);
+    if (dot16) w.fit_bf16(rows, dp, dvp, 2 * pairs, 2 * vpairs);  // direct scores read bf16 q in place (direct_pairs)
     for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = hk * group + gi;
         for (int64_t i = 0; i < lq; ++i) {

@@ -127,6 +127,15 @@ def test_decode_rows_over_many_key_steps(split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_rows_with_wide_kv_heads_take_short_key_steps(dtype, split):
+    """32 kv heads of D=128 (16 KB of K per key in float32): a direct row's steps shrink to 16-32 keys
+    so that a step's K stays in L2 (DIRECT_STEP_BYTES); many steps, every option, against float64."""
+    q_lens, k_lens = [1] * 4, [1, 300, 77, 0]
+    for opts in OPTIONS.values():
+        _check(q_lens, k_lens, 32, 32, 128, 128, dtype, opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_threads_do_not_change_a_bit(split, dtype):
     """Forward (out, lse) and backward (dq, dk, dv) on one thread and on two: the same bits."""
     q = torch.randn(sum(Q_LENS), 4, 32).to(dtype).requires_grad_()

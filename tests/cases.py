@@ -26,6 +26,20 @@ def packed(lengths, heads, dim, dtype=torch.float32, *, requires_grad=False, gen
     return x.requires_grad_(requires_grad)
 
 
+def padded_tokens(lengths, side: str, pad_id: int, low: int, high: int, seed: int = 1):
+    """Token ids drawn from [low, high) and a 0/1 attention mask for sequences of ``lengths``,
+    padded with ``pad_id`` on ``side`` ("left" or "right"): a padded batch as a tokenizer gives it."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.full((len(lengths), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        sl = slice(L - n, L) if side == "left" else slice(0, n)
+        ids[b, sl] = torch.randint(low, high, (n,), generator=g)
+        mask[b, sl] = 1
+    return ids, mask
+
+
 def in_nan_buffer(x: torch.Tensor, extra_rows: int = 3) -> torch.Tensor:
     """``x`` as a view into a larger buffer whose other rows and columns are NaN."""
     total, heads, dim = x.shape

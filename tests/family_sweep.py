@@ -201,20 +201,11 @@ def _where(error: BaseException) -> str:
 
 def _batch(side: str, pad_id: int, lengths=LENGTHS, seed=1):
     """Token ids and 0/1 mask of ``lengths`` padded on ``side`` ("full": every sequence as long as the longest)."""
-    import torch
+    from cases import padded_tokens  # tests/, beside this file
 
     if side == "full":
         lengths = (max(lengths),) * len(lengths)
-
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.full((len(lengths), L), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        sl = slice(L - n, L) if side == "left" else slice(0, n)
-        ids[b, sl] = torch.randint(4, 96, (n,), generator=g)
-        mask[b, sl] = 1
-    return ids, mask
+    return padded_tokens(lengths, side, pad_id, 4, 96, seed)
 
 
 def _inputs(model, side):

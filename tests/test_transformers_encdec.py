@@ -29,6 +29,7 @@ from transformers.models.auto import modeling_auto  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from cases import padded_tokens  # noqa: E402
 
 V = 96
 PAD, BOS, EOS = 1, 0, 2
@@ -90,15 +91,7 @@ def build_pair(family: str, **overrides):
 
 
 def encoder_batch(side: str, lengths=ENC_LENGTHS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.full((len(lengths), L), PAD, dtype=torch.long)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        sl = slice(L - n, L) if side == "left" else slice(0, n)
-        ids[b, sl] = torch.randint(3, V, (n,), generator=g)
-        mask[b, sl] = 1
-    return ids, mask
+    return padded_tokens(lengths, side, PAD, 3, V, seed)
 
 
 def _inputs(eager, side, eager_encoder):

@@ -73,6 +73,11 @@ class AttnSpec:
     prefix: bool = False                  # prefix_lens given (prefix-LM, API.md 11) and able to change the mask
     sinks: bool = False                   # a per-head sink logit (Hq,) in every row's softmax denominator
     sinks_grad: bool = False              # the sinks themselves need a gradient
+    # A dense (B, S, Hkv, D) KV cache read in place (API.md 12): carried as a paged cache of one
+    # block of S slots per sequence (paged=True, block_size=S, block_table[b] = [b]), whose keys
+    # start at cache_leftpad[b] when ``leftpad``.
+    dense_cache: bool = False
+    leftpad: bool = False
 
     @property
     def gqa_group(self) -> int:
@@ -110,7 +115,9 @@ class AttnSpec:
             parts.append("prefix_lens")
         if self.sinks:
             parts.append("sinks" + ("(grad)" if self.sinks_grad else ""))
-        if self.paged:
+        if self.dense_cache:
+            parts.append(f"dense_cache(S={self.block_size}" + (", cache_leftpad)" if self.leftpad else ")"))
+        elif self.paged:
             parts.append(f"paged(block_size={self.block_size})")
         if self.kv_dense:
             parts.append("dense_kv")
@@ -132,6 +139,9 @@ class PackedCall:
     traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
     prefix_lens: int32 (B,) (API.md 11) when ``spec.prefix``, else None; prefix_host its values
     read on the host (None when not read). sinks: float (Hq,) when ``spec.sinks``, else None.
+    cache_leftpad: int32 (B,) when ``spec.leftpad`` (a dense cache, API.md 12: sequence b's keys are
+    cache slots [cache_leftpad[b], cache_leftpad[b] + seqused_k[b]) of row b), else None;
+    leftpad_host its values read on the host.
     """
 
     q: Tensor
@@ -151,6 +161,8 @@ class PackedCall:
     prefix_lens: Optional[Tensor] = None
     prefix_host: Optional[tuple[int, ...]] = None
     sinks: Optional[Tensor] = None
+    cache_leftpad: Optional[Tensor] = None
+    leftpad_host: Optional[tuple[int, ...]] = None
 
     def replace(self, **changes) -> "PackedCall":
         return _replaced(self, changes)

@@ -42,7 +42,7 @@ ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 8
+ABI_VERSION = 9
 # The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -80,6 +80,7 @@ class _Params(ctypes.Structure):
         ("q_chunk", ctypes.c_int32), ("direct_rows", ctypes.c_int32), ("direct_keys", ctypes.c_int32),
         ("dropout_seed", ctypes.c_uint32), ("dropout_offset", ctypes.c_uint32), ("dropout_p", ctypes.c_float),
         ("chunk_size", ctypes.c_int64), ("prefix_lens", ctypes.c_void_p), ("sinks", ctypes.c_void_p),
+        ("cache_leftpad", ctypes.c_void_p),
     ]
 
 
@@ -321,7 +322,8 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
     if call.alibi_slopes is not None:
         slopes = call.alibi_slopes.to(torch.float32).contiguous()
     prefix, sinks = _prefix(call), _sinks(call)
-    keep += [cu_q, cu_k, used, table, slopes, prefix, sinks]  # alive until the kernel returns
+    leftpad = None if call.cache_leftpad is None else _int32(call.cache_leftpad)
+    keep += [cu_q, cu_k, used, table, slopes, prefix, sinks, leftpad]  # alive until the kernel returns
     ptr = lambda t: None if t is None else t.data_ptr()
     # ctypes would wrap a window past int64 silently (2**64 -> 0); any such window is unbounded in
     # effect, and the kernel's range arithmetic is exact up to INT64_MAX.
@@ -338,7 +340,7 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
         left, right, DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
         seed, offset, spec.dropout_p,
-        0 if spec.chunk_size is None else min(spec.chunk_size, _INT64_MAX), ptr(prefix), ptr(sinks),
+        0 if spec.chunk_size is None else min(spec.chunk_size, _INT64_MAX), ptr(prefix), ptr(sinks), ptr(leftpad),
     )
 
 

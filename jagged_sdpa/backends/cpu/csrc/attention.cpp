@@ -395,6 +395,10 @@ struct JsParams {
     int64_t chunk_size;
     const int32_t* prefix_lens;
     const float* sinks;
+    // A dense cache read in place (API.md 12) is a paged cache of one block of S slots per sequence
+    // (block_table[b] = b, block_size = S): sequence b's keys start at slot cache_leftpad[b] of its
+    // block (null: at 0).
+    const int32_t* cache_leftpad;
 };
 
 // The backward's tensors beside the forward's (whose out is read here): dout (total_q, Hq, Dv),
@@ -420,6 +424,7 @@ namespace {
 // Element offset of key j of sequence b in k or v (tok and blk: that tensor's strides).
 inline int64_t key_offset(const JsParams& p, int64_t b, int64_t j, int64_t tok, int64_t blk) {
     if (!p.block_table) return (p.cu_k[b] + j) * tok;
+    if (p.cache_leftpad) j += p.cache_leftpad[b];
     return p.block_table[b * p.bt_stride + j / p.block_size] * blk + (j % p.block_size) * tok;
 }
 inline int64_t key_count(const JsParams& p, int64_t b) {

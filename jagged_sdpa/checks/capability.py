@@ -50,6 +50,7 @@ class Capabilities:
     head_dim_v_differs: bool = True
     empty_sequences: bool = True
     paged: bool = False
+    dense_cache: bool = False         # a dense (B, S, Hkv, D) cache read in place (API.md 12)
     seqused_k: bool = True
     # API.md section 11. Off unless declared: a backend applies these only once it says so.
     sinks: bool = False               # per-head sink logits (forward, and backward with ``backward``)
@@ -120,7 +121,10 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
     if (spec.has_empty_q or spec.has_empty_k) and not caps.empty_sequences:
         known = "" if spec.lengths_known else " (lengths not read: assumed possible)"
         yield f"zero-length sequences not supported{known}"
-    if spec.paged and not caps.paged:
+    if spec.dense_cache:
+        if not caps.dense_cache:
+            yield "dense KV cache read in place (seqused_k/cache_leftpad, API.md 12) not supported"
+    elif spec.paged and not caps.paged:
         yield "paged KV cache (block_table) not supported"
     if spec.seqused_k and not caps.seqused_k:
         yield "seqused_k not supported"

@@ -7,12 +7,11 @@ compiled kernel runs a whole ragged batch on torch's own OpenMP threads.
 
 The build needs only a C++ compiler (``$CXX``, else ``g++``/``c++``), no torch headers, and runs
 once per machine: 27 s with g++ 12 on an idle 2-core AMD EPYC VM (Zen 3, AVX2, no AVX-512;
-2026-11-29), 57 s on the same machine at load 5. It
-is announced once at INFO on the ``"jagged_sdpa"`` logger (and, when stderr is a terminal and no
-handler shows that line, in a short note on stderr), with where the library goes and how long it
-took. The library is cached under ``$JAGGED_SDPA_CACHE`` (default
-``~/.cache/jagged_sdpa``) by a hash of the source, the flags, the compiler and (for ``native``) this
-CPU's flags. ``JAGGED_SDPA_CPU_ARCH`` picks the ``-march`` target (default ``native``; e.g.
+2026-11-29), 57 s on the same machine at load 5. It is announced once at INFO on the
+``"jagged_sdpa"`` logger (and, when stderr is a terminal and no handler shows that line, in a short
+note on stderr), with where the library goes and how long it took. The library is cached under
+``$JAGGED_SDPA_CACHE`` (default ``~/.cache/jagged_sdpa``) by a hash of the source, the flags, the
+compiler and (for ``native``) this CPU's flags. ``JAGGED_SDPA_CPU_ARCH`` picks the ``-march`` target (default ``native``; e.g.
 ``x86-64-v3`` for a library that runs on any AVX2 machine, which CI builds to test the kernel
 without AVX-512). Without a compiler, with a target the compiler refuses or this CPU cannot run, or
 with ``JAGGED_SDPA_NATIVE=0``, CPU_FUSED refuses every call with the reason (``explain``) and MATH

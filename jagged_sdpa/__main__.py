@@ -38,6 +38,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _pair(text: str) -> tuple[int, int]:
     values = [int(x) for x in text.split(",")]
     if len(values) != 2:
@@ -47,6 +57,26 @@ def _pair(text: str) -> tuple[int, int]:
 
 def best_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def run_device(name: Optional[str]) -> torch.device:
+    """The device ``demo``/``bench`` run on: ``--device``, else the best one; a device this torch
+    cannot run on is a one-line error, not torch's ``AssertionError`` from deep inside."""
+    if not name:
+        return best_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise SystemExit(f"--device {name}: this torch ({torch.__version__}) is a CPU-only build; "
+                             "install a CUDA build of torch, or use --device cpu")
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: no CUDA device is visible; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
 
 
 def ragged_batch(lengths, heads, head_dim, dtype, device, requires_grad=False, seed=0):
@@ -59,9 +89,9 @@ def ragged_batch(lengths, heads, head_dim, dtype, device, requires_grad=False, s
 
 def padded_reference(q, k, v, lengths, kv_lengths, is_causal, enable_gqa):
     """Padded dense SDPA with a boolean mask: what users do without jagged_sdpa."""
-    qd = q.to_padded_tensor(0.0).float()
-    kd = k.to_padded_tensor(0.0).float()
-    vd = v.to_padded_tensor(0.0).float()
+    # Padded in the (B, j, H, D) layout the NJTs were built in: to_padded_tensor's backward cannot
+    # map a gradient back through the transposed (B, H, j, D) view.
+    qd, kd, vd = (x.transpose(1, 2).to_padded_tensor(0.0).transpose(1, 2).float() for x in (q, k, v))
     lq, lk = qd.shape[2], kd.shape[2]
     device = qd.device
     kq = torch.tensor(kv_lengths, device=device)
@@ -90,7 +120,7 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 
 def cmd_demo(args) -> int:
-    device = torch.device(args.device) if args.device else best_device()
+    device = run_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     lengths, heads, kv_heads, head_dim = DEMO_LENGTHS, 8, 2, 64
     print(f"jagged_sdpa {jagged_sdpa.__version__} demo on {device} ({dtype}), torch {torch.__version__}")
@@ -167,7 +197,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    device = torch.device(args.device) if args.device else best_device()
+    device = run_device(args.device)
     dtype = DTYPES[args.dtype]
     lengths = args.lengths
     q = ragged_batch(lengths, args.heads, args.head_dim, dtype, device, args.backward, seed=1)
@@ -176,10 +206,14 @@ def cmd_bench(args) -> int:
     sync = _sync_for(device)
 
     def step(fn):
+        # The gradients are returned, never accumulated: torch cannot add a second backward's
+        # gradient into an NJT leaf's ``.grad`` (``aten::stride does not exist``), and a timed
+        # step should not pay for that sum anyway.
         def run():
             out = fn()
             if args.backward:
-                (out.values() if out.is_nested else out).float().sum().backward()
+                loss = (out.values() if out.is_nested else out).float().sum()
+                torch.autograd.grad(loss, (q, k, v), allow_unused=True)
         return run
 
     contenders: dict[str, Callable[[], object]] = {}
@@ -221,25 +255,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run sdpa on a synthetic ragged batch, check it, explain it, time it")
     demo.add_argument("--device", help="default: cuda if available, else cpu")
     demo.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
-    demo.add_argument("--repeats", type=int, default=10)
+    demo.add_argument("--repeats", type=_positive, default=10, help="timed calls per contender (default: %(default)s)")
     demo.set_defaults(func=cmd_demo)
 
     explain = sub.add_parser("explain", help="print the explain table for a call, without running attention")
     explain.add_argument("--lengths", type=_ints, required=True, help="query lengths, e.g. 5,17,300")
     explain.add_argument("--kv-lengths", type=_ints, help="key lengths (default: the query lengths)")
-    explain.add_argument("--heads", type=int, default=8)
-    explain.add_argument("--kv-heads", type=int)
-    explain.add_argument("--head-dim", type=int, default=64)
-    explain.add_argument("--head-dim-v", type=int)
-    explain.add_argument("--dtype", choices=DTYPES, default="float32")
-    explain.add_argument("--device", default="cpu")
+    explain.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
+    explain.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    explain.add_argument("--head-dim", type=int, default=64, help="head dim of q and k (default: %(default)s)")
+    explain.add_argument("--head-dim-v", type=int, help="head dim of v (default: --head-dim)")
+    explain.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
+    explain.add_argument("--device", default="cpu",
+                         help="the device to describe; needs no such device here (default: %(default)s)")
     explain.add_argument("--capability", help="CUDA compute capability to assume, e.g. 9.0")
-    explain.add_argument("--causal", action="store_true")
-    explain.add_argument("--bottom-right", action="store_true", help="causal_alignment='bottom_right'")
+    explain.add_argument("--causal", action="store_true",
+                         help="causal, top-left aligned as sdpa's is_causal=True (varlen_attention's "
+                              "causal=True is bottom-right: add --bottom-right to describe it)")
+    explain.add_argument("--bottom-right", action="store_true",
+                         help="causal_alignment='bottom_right' (varlen_attention's causal)")
     explain.add_argument("--window", type=_pair, help="L,R sliding window")
     explain.add_argument("--softcap", type=float)
     explain.add_argument("--alibi", action="store_true")
-    explain.add_argument("--dropout", type=float, default=0.0)
+    explain.add_argument("--dropout", type=float, default=0.0, help="dropout_p (default: %(default)s)")
     explain.add_argument("--sinks", action="store_true", help="a sink logit per query head (API.md 11)")
     explain.add_argument("--chunk-size", type=int, help="chunked attention: chunk length C (API.md 11)")
     explain.add_argument("--prefix-lens", type=_ints, help="prefix-LM: a prefix length per sequence (API.md 11)")
@@ -248,14 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
 
     bench = sub.add_parser("bench", help="time the backends side by side against torch NJT SDPA and padded SDPA")
-    bench.add_argument("--lengths", type=_ints, default=[37, 5, 300, 1, 128, 64, 211, 90])
-    bench.add_argument("--heads", type=int, default=8)
-    bench.add_argument("--head-dim", type=int, default=64)
-    bench.add_argument("--dtype", choices=DTYPES, default="float32")
-    bench.add_argument("--device")
-    bench.add_argument("--causal", action="store_true")
-    bench.add_argument("--backward", action="store_true")
-    bench.add_argument("--repeats", type=int, default=10)
+    bench.add_argument("--lengths", type=_ints, default=[37, 5, 300, 1, 128, 64, 211, 90],
+                       help="sequence lengths (default: 37,5,300,1,128,64,211,90)")
+    bench.add_argument("--heads", type=_positive, default=8, help="heads of q, k and v (default: %(default)s)")
+    bench.add_argument("--head-dim", type=_positive, default=64, help="default: %(default)s")
+    bench.add_argument("--dtype", choices=DTYPES, default="float32", help="default: %(default)s")
+    bench.add_argument("--device", help="default: cuda if available, else cpu")
+    bench.add_argument("--causal", action="store_true", help="top-left causal (sdpa's is_causal=True)")
+    bench.add_argument("--backward", action="store_true", help="time forward+backward")
+    bench.add_argument("--repeats", type=_positive, default=10, help="interleaved timed rounds (default: %(default)s)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -82,3 +82,63 @@ def test_module_entry_point():
     result = subprocess.run([sys.executable, "-m", "jagged_sdpa", "explain", "--lengths", "4,2"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "chosen:" in result.stdout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_backward_runs_every_round(capsys, causal):
+    """Issue 33 item 1: ``bench --backward`` crashed at its second backward (torch cannot accumulate
+    into an NJT leaf's ``.grad``: ``aten::stride does not exist``) and the padded contender's
+    backward could not map its gradient through the transposed NJT. Warm-up plus two rounds run
+    three backwards of every contender."""
+    argv = ["bench", "--backward", "--lengths", "3,9,1", "--heads", "2", "--head-dim", "8", "--repeats", "2"]
+    assert main(argv + (["--causal"] if causal else [])) == 0
+    text = capsys.readouterr().out
+    assert "fwd+bwd" in text and "padded+mask SDPA" in text and "auto (" in text
+    assert ("torch NJT SDPA" in text) != causal     # NJT SDPA refuses causal, so it is left out then
+
+
+def test_bench_backward_gradients_match_the_padded_reference():
+    """The timed backward computes the gradients themselves: sdpa's equal padded dense SDPA's."""
+    import torch
+
+    from jagged_sdpa import sdpa
+    from jagged_sdpa.__main__ import padded_reference, ragged_batch
+
+    lengths = [3, 9, 0, 1]
+    q, k, v = (ragged_batch(lengths, 2, 8, torch.float32, torch.device("cpu"), True, seed=s) for s in (1, 2, 3))
+    ours = torch.autograd.grad(sdpa(q, k, v, is_causal=True).values().sum(), (q, k, v))
+    padded = torch.cat(padded_reference(q, k, v, lengths, lengths, True, False), dim=1)
+    theirs = torch.autograd.grad(padded.sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.values(), b.values(), atol=1e-5, rtol=1e-5)
+
+
+def test_bench_and_demo_refuse_a_device_torch_cannot_use():
+    """Issue 33 item 7: ``--device cuda`` on a CPU-only torch was a raw AssertionError."""
+    import torch
+
+    with pytest.raises(SystemExit, match="is not a torch device"):
+        main(["bench", "--device", "nodevice"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: "):
+            main(["demo", "--device", "cuda"])
+        with pytest.raises(SystemExit, match="--device cuda: "):
+            main(["bench", "--device", "cuda", "--repeats", "1"])
+
+
+def test_help_shows_defaults_and_causal_alignment(capsys):
+    """Issue 33 item 7: --heads/--head-dim show their defaults; explain's --causal says it is
+    top-left (sdpa's) and how to describe varlen_attention's bottom-right causal."""
+    from jagged_sdpa.__main__ import build_parser
+
+    for command in ("explain", "bench"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: 8)" in text and "default: 64" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["explain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "top-left" in text and "--bottom-right" in text and "bottom-right" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--repeats", "0"])

@@ -109,15 +109,14 @@ _warned_output_attentions = [False]
 class _Unpad:
     """Where the valid queries/keys of a padded batch are, computed once per forward."""
 
-    indices_q: torch.Tensor  # int64 (total_q,): rows of the flattened (B*Q) queries that are real
-    indices_k: torch.Tensor  # int64 (total_k,)
+    query_valid: torch.Tensor  # bool (B, Q): which query rows are real
+    key_valid: torch.Tensor  # bool (B, K)
     cu_seqlens_q: torch.Tensor  # int32 (B+1,)
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
     holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
-    rows_q: tuple  # (batch index, position) of each valid query: gathers straight from (B, H, Q, D)
-    rows_k: tuple
+    no_padding: bool  # every query row and key slot is real
     # the pattern of the mask function transformers asked for: True (causal), False (bidirectional),
     # None (unknown: a 2-D mask read directly). Eager applies the mask whatever the module's
     # is_causal says, so a known pattern overrides it (bigbird_pegasus' decoder declares is_causal=False)
@@ -145,11 +144,39 @@ class _Unpad:
         every query row of a bidirectional mask is otherwise kept. Computed once per mask."""
         view = self.__dict__.get("_as_keys")
         if view is None:
-            view = _Unpad(self.indices_k, self.indices_k, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
-                          self.max_seqlen_k, self.holes, self.rows_k, self.rows_k, causal=self.causal,
+            view = _Unpad(self.key_valid, self.key_valid, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
+                          self.max_seqlen_k, self.holes, self.no_padding, causal=self.causal,
                           keys_only=self.keys_only)
             self.__dict__["_as_keys"] = view
         return view
+
+    # Where the real rows are, for the packed path (gathers straight from (B, H, S, D) and the
+    # output's scatter): computed on first use, since reading the cache in place needs none of it.
+    def _indices(self, valid: torch.Tensor, name: str) -> torch.Tensor:
+        got = self.__dict__.get(name)
+        if got is None:
+            got = self.__dict__[name] = valid.flatten().nonzero().flatten()
+        return got
+
+    @property
+    def indices_q(self) -> torch.Tensor:
+        """int64 (total_q,): rows of the flattened (B*Q) queries that are real."""
+        return self._indices(self.query_valid, "_indices_q")
+
+    @property
+    def indices_k(self) -> torch.Tensor:
+        return self._indices(self.key_valid, "_indices_k")
+
+    @property
+    def rows_q(self) -> tuple:
+        """(batch index, position) of each real query."""
+        n = max(self.query_valid.shape[1], 1)
+        return self.indices_q // n, self.indices_q % n
+
+    @property
+    def rows_k(self) -> tuple:
+        n = max(self.key_valid.shape[1], 1)
+        return self.indices_k // n, self.indices_k % n
 
 
 def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, checks=()) -> _Unpad:
@@ -168,25 +195,22 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, che
         first = lens_k.new_zeros(lens_k.shape)
         holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
     zero = lens_q.new_zeros(1)
-    max_q, max_k, has_holes, missing_q, *checked = torch.stack(
+    max_q, max_k, has_holes, missing_q, missing_k, *checked = torch.stack(
         [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32),
-         (Q - torch.cat([lens_q, Q + zero])).max()]
+         (Q - torch.cat([lens_q, Q + zero])).max(), (K - torch.cat([lens_k, K + zero])).max()]
         + [c.to(torch.int32) for c in checks]
     ).tolist()
     pad = torch.nn.functional.pad
-    indices_q = query_valid.flatten().nonzero().flatten()
-    indices_k = key_valid.flatten().nonzero().flatten()
     B = query_valid.shape[0]
     return _Unpad(
-        indices_q=indices_q,
-        indices_k=indices_k,
+        query_valid=query_valid,
+        key_valid=key_valid,
         cu_seqlens_q=pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0)),
         cu_seqlens_k=pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0)),
         max_seqlen_q=int(max_q),
         max_seqlen_k=int(max_k),
         holes=bool(has_holes),
-        rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
-        rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
+        no_padding=missing_q == 0 and missing_k == 0,
         checks=tuple(checked),
         seqused_k=lens_k,
         cache_leftpad=first.to(torch.int32) if K > 0 and not has_holes else None,
@@ -352,7 +376,8 @@ def _no_padding_marker(batch_size: int, Q: int, K: int, device, dtype, **pattern
 def _marker_info(Q: int, K: int, **pattern) -> _Unpad:
     """Unpadding data of a mask without padding: only the pattern (``_Unpad``'s pattern fields)."""
     empty = torch.empty(0, dtype=torch.int64)
-    return _Unpad(empty, empty, empty, empty, Q, K, False, (), (), padded=False, **pattern)
+    return _Unpad(torch.ones(1, Q, dtype=torch.bool), torch.ones(1, K, dtype=torch.bool), empty, empty, Q, K, False,
+                  True, padded=False, **pattern)
 
 
 def _chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_padding):
@@ -685,8 +710,7 @@ def _compact_attention_mask(overlay: _Overlay, batch_size, q_length, kv_length, 
         prefix_lens = block_prefix if longest > 1 else None  # a 1-token block is causal anyway
     if overlay.sliding is not None and overlay.blocks is None and info.max_seqlen_q <= 1:
         pattern["window"] = (-1, -1)  # one query per row (decoding): the keys kept are exactly its window
-    if info.max_seqlen_q == Q and info.max_seqlen_k == K and info.indices_q.numel() == batch_size * Q \
-            and info.indices_k.numel() == batch_size * K:
+    if info.no_padding:
         return no_padding(prefix_lens)  # no padding after all: the dense path needs no indices
     for name, value in pattern.items():
         setattr(info, name, value)

@@ -540,3 +540,36 @@ def test_decode_reads_the_cache_in_place(models, family, cache, padding):
         assert out[b, ids.shape[1]:].tolist() == ref.tolist(), f"sequence {b}"
     if padding != "right":
         assert len(decode_calls) == (new - 1) * cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_static_cache_compiled_generate(models, family):
+    """transformers' fast-generation recipe (static cache, ``model.forward = torch.compile(...,
+    fullgraph=True)``) with "jagged": tokens equal "sdpa"'s under the same recipe, no graph break
+    (fullgraph), and one graph for the prefill and one for every decode step: the per-row ranges are
+    tensors and the cache length bounds ``max_seqlen_k``, so nothing recompiles as the rows grow."""
+    import torch._dynamo
+
+    eager, jagged = models(family)
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(eager.config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(eager.state_dict())
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(jagged.config), attn_implementation=jt.register()).eval()
+    model.load_state_dict(eager.state_dict())
+    ids, mask, _ = _pad(_sequences((9, 6, 8), seed=8), "left")
+    tokens, graphs = {}, {}
+    for label, m in (("sdpa", sdpa), ("jagged", model)):
+        torch._dynamo.reset()
+        compiled = []
+
+        def backend(gm, example_inputs, compiled=compiled):
+            compiled.append(gm)
+            return gm.forward
+
+        m.forward = torch.compile(m.forward, fullgraph=True, backend=backend)
+        with torch.no_grad():
+            tokens[label] = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                       cache_implementation="static")
+        graphs[label] = len(compiled)
+    torch._dynamo.reset()
+    assert torch.equal(tokens["jagged"], tokens["sdpa"])
+    assert graphs["jagged"] == graphs["sdpa"] == 2, graphs

@@ -803,7 +803,10 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     B, Hq, Q, D = query.shape
     K, Hkv, Dv = key.shape[2], key.shape[1], value.shape[-1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None else None
+    # Traced by torch.compile (transformers' static-cache recipe): the mask is read as a tensor only
+    # (``_traced_in_place``), so nothing is read on the host and one graph serves every decode step.
+    traced = attention_mask is not None and torch.compiler.is_compiling()
+    info = _unpad_info(attention_mask, B, Q, K) if attention_mask is not None and not traced else None
     if info is not None and info.causal is not None:
         causal = info.causal  # the mask's pattern is what eager applies (see _Unpad.causal)
     window = (-1, -1)
@@ -833,6 +836,8 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     q = query.transpose(1, 2)  # (B, Q, Hq, D)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
+    if traced:
+        return _traced_in_place(q.reshape(B * Q, Hq, D), k, v, attention_mask, options).view(B, Q, Hq, Dv), None
 
     if info is not None:
         if info.keys_only and window != (-1, -1):
@@ -899,6 +904,35 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, Hkv, D), v.reshape(B * K, Hkv, Dv),
                            cu_q, cu_k, max_q, max_k, **options)
     return out.view(B, Q, Hq, Dv), None
+
+
+def _traced_in_place(q, k, v, mask, options):
+    """The in-place call of a traced forward, from the mask tensor alone: the compact bool
+    ``(B, 1, 1, Q + K)`` mask (or the keys-only additive ``(B, 1, 1, K)`` one) gives each row's first
+    valid key slot and their count as tensors; ``K`` bounds ``max_seqlen_k``. Every query row is
+    computed: a padded one sees no key under causal masking (left padding), and its output is never
+    read as a key. Padding between real keys cannot be expressed by a range: a device-side assert
+    fails loudly instead of returning other numbers."""
+    B, K = k.shape[0], k.shape[1]
+    Q = q.shape[0] // max(B, 1)
+    if mask.dtype == torch.bool and mask.shape[-1] == Q + K:
+        key_valid = mask.reshape(B, Q + K)[:, Q:]
+    elif mask.shape[-1] == K:
+        key_valid = mask.reshape(B, K) == 0
+    else:
+        raise ValueError(
+            f"attention_mask: under torch.compile jagged attention reads its own compact mask "
+            f"(bool (B, 1, 1, Q + K) = ({B}, 1, 1, {Q + K})), got {mask.dtype} of shape {tuple(mask.shape)}; "
+            "build the model with attn_implementation=jagged_sdpa.integrations.transformers.register()")
+    valid = key_valid.to(torch.int32)
+    used = valid.sum(1, dtype=torch.int32)
+    first = valid.argmax(1).to(torch.int32)
+    last = K - 1 - valid.flip(1).argmax(1).to(torch.int32)
+    torch._assert_async(((used == 0) | (last - first + 1 == used)).all(),
+                        "jagged_sdpa: under torch.compile a row's real keys must be one run of cache slots "
+                        "(left padding); this mask has padding between real tokens")
+    cu_q = torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=q.device)[:B + 1]
+    return varlen_attention(q, k, v, cu_q, None, Q, K, seqused_k=used, cache_leftpad=first, **options)
 
 
 @functools.lru_cache(maxsize=16)

@@ -138,7 +138,8 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
                     max_q, max_k, prefix_lens, sinks, cache_leftpad)
     spec = call.spec
     b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
-                       block_table=block_table, seqused_k=seqused_k, read=q.device.type == "cpu",
+                       block_table=block_table, seqused_k=seqused_k,
+                       read=layout.host_read_needed(q.device, int(max_q), int(max_k)),
                        names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
                        kv_dense=spec.kv_dense, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
     b.bind(q.shape[0], k)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import jagged_sdpa
 from jagged_sdpa import batch as batches
 from jagged_sdpa import options as opts
-from jagged_sdpa import plans
+from jagged_sdpa import spec as specs
 from jagged_sdpa.backends import Backend
 from jagged_sdpa.selection import select
 from jagged_sdpa.spec import AttnSpec
@@ -163,7 +163,7 @@ def spec_from_args(args) -> AttnSpec:
     elif device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
     window = tuple(args.window) if args.window else (-1, -1)
-    # The spec the call itself would build (``plans.spec_of``: Lq == Lk, the effective window, ...),
+    # The spec the call itself would build (``spec.for_layer``: Lq == Lk, the effective window, ...),
     # over meta tensors of the call's shapes, then placed on the device described.
     meta = dict(device="meta", dtype=DTYPES[args.dtype])
     head_dim_v = args.head_dim_v or args.head_dim
@@ -185,7 +185,7 @@ def spec_from_args(args) -> AttnSpec:
     except ValueError as err:
         raise SystemExit(str(err).replace("prefix_lens", "--prefix-lens").replace("chunk_size", "--chunk-size"))
     alibi = "per_head" if args.alibi else None
-    spec = plans.spec_of(batch, options, q, k, v, alibi, False, args.requires_grad, sinks=args.sinks,
+    spec = specs.for_layer(batch, options, q, k, v, alibi, False, args.requires_grad, sinks=args.sinks,
                          sinks_grad=args.sinks and args.requires_grad)
     return spec.replace(device_type=device.type, capability=capability)
 

@@ -52,7 +52,7 @@ def _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     else:
         b = batches.cached(offsets_q, offsets_k, given_q, given_k, read=plans.host_read(query.device, given_q, given_k),
                            names=batches.SDPA_NAMES, kv_dense=kv_dense, prefix_lens=prefix_lens)
-    return plans.for_call(b, options, refusal, notes), q_packed, k_packed, v_packed
+    return plans.for_call(b, options, refusal, notes, inputs_checked=True), q_packed, k_packed, v_packed
 
 
 _STRUCTURE = "key and value must have the same ragged structure (sequence lengths)"
@@ -97,7 +97,7 @@ def _sdpa_plan_read(query, key, value, kv_dense, given_q, given_k, options, pref
     host_cu = [cu["query"][1]] + ([] if kv_dense else [cu["key"][1]])
     b = batches.build(cu["query"][0], cu_k, given_q, given_k, read=True, names=batches.SDPA_NAMES, kv_dense=kv_dense,
                       host=host_cu, prefix_lens=prefix_lens)
-    return plans.for_call(b, options, None, tuple(notes)), packed["query"], k_packed, v_packed
+    return plans.for_call(b, options, None, tuple(notes), inputs_checked=True), packed["query"], k_packed, v_packed
 
 
 def _njt_side(name, njt, offsets_host, lengths_host, notes):
@@ -163,7 +163,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         inputs.validate_not_meta("query", query)  # key/value on another device: the device checks say so
         plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
-    out = plan._run(q, k, v, alibi_slopes, validated=True, sinks=sinks).out
+    out = plan._run(q, k, v, alibi_slopes, sinks).out
     with torch._C.DisableTorchFunctionSubclass():
         return layout.packed_to_njt(out, query, plan._batch.cu_seqlens_q, plan._batch.max_seqlen_q)
 
@@ -242,7 +242,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
                         prefix_lens, cache_leftpad)
-    result = plan._run(q, k, v, alibi_slopes, validated=False, sinks=sinks)
+    result = plan._run(q, k, v, alibi_slopes, sinks)
     return (result.out, result.lse) if return_lse else result.out
 
 
@@ -285,7 +285,7 @@ def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     with torch._C.DisableTorchFunctionSubclass():
         plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
-        return plan._explain(q, k, v, alibi_slopes, validated=True, sinks=sinks)
+        return plan.explain(q, k, v, alibi_slopes, sinks)
 
 
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
@@ -295,4 +295,4 @@ def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
                         prefix_lens, cache_leftpad)
-    return plan._explain(q, k, v, alibi_slopes, validated=False, sinks=sinks)
+    return plan.explain(q, k, v, alibi_slopes, sinks)

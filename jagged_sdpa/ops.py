@@ -34,6 +34,7 @@ from torch.utils.flop_counter import register_flop_formula
 from jagged_sdpa import batch as batches
 from jagged_sdpa import layout, paging
 from jagged_sdpa.backends import IMPLS, Backend
+from jagged_sdpa import spec as specs
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
@@ -65,51 +66,13 @@ def _parse_options(options: str) -> dict:
     return dict(zip(_OPTION_FIELDS, ast.literal_eval(options)))
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
-    """CUDA compute capability of ``device`` (cached per device), None elsewhere."""
-    if device.type != "cuda":
-        return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Optional[Tensor],
-                  seqused_k: Optional[Tensor], dense_cache: bool = False,
-                  cache_leftpad: Optional[Tensor] = None) -> dict:
-    """The AttnSpec fields of a packed, paged or dense-cache call that its tensors' metadata decide
-    (a dense cache (B, S, Hkv, D) is a paged cache of B blocks of S slots)."""
-    paged = block_table is not None or dense_cache
-    return dict(
-        device_type=q.device.type,
-        capability=device_capability(q.device),
-        dtype=q.dtype,
-        batch=batch,
-        heads_q=q.shape[1],
-        heads_kv=k.shape[-2],
-        head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1],
-        total_q=q.shape[0],
-        total_k=k.shape[0] * (k.shape[1] if paged else 1),
-        last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
-        paged=paged,
-        block_size=k.shape[1] if paged else 0,
-        seqused_k=seqused_k is not None,
-        dense_cache=dense_cache,
-        leftpad=cache_leftpad is not None,
-    )
-
-
 def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
                    prefix_lens=None, sinks=None, cache_leftpad=None) -> AttnSpec:
     """The spec of an operator call, from its tensors' metadata and ``options``."""
     parsed = _parse_options(options)
-    return AttnSpec(
-        **tensor_fields(q, k, v, cu_seqlens_q.shape[0] - 1, block_table, seqused_k, parsed["dense_cache"],
-                        cache_leftpad),
+    return specs.build(
+        q, k, v, batch=cu_seqlens_q.shape[0] - 1, block_table=block_table, seqused_k=seqused_k,
+        dense_cache=parsed["dense_cache"], cache_leftpad=cache_leftpad,
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),

@@ -8,6 +8,7 @@ arguments is cached: a model passes the same options in every layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,8 +20,8 @@ from jagged_sdpa.selection import to_backend
 @dataclass(frozen=True)
 class Options:
     """What a call's keyword arguments ask for, validated. ``scale`` None means 1/sqrt(D);
-    ``run_dropout_p`` is what kernels run with (``inputs.dropout_to_run``: 0 when dropout_p is 1,
-    whose output is zeroed instead)."""
+    ``run_dropout_p`` is what kernels run with (0 when ``drops_everything``, whose output is zeroed
+    instead)."""
 
     entry: str                       # "varlen" or "sdpa": how errors and explain name things
     causal: bool = False
@@ -34,10 +35,20 @@ class Options:
     return_lse: bool = False
     forced: Optional[Backend] = None
     notes: tuple = ()
-    chunk_size: Optional[int] = None     # API.md 11; normalised per call by ``inputs.effective_chunk``
+    chunk_size: Optional[int] = None     # API.md 11; normalised per call by ``spec.effective_chunk``
 
     def scale_for(self, head_dim: int) -> float:
-        return inputs.validate_scale(self.scale_name, self.scale, head_dim)
+        return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
+
+    @property
+    def drops_everything(self) -> bool:
+        """dropout_p == 1 drops every probability. PyTorch's SDPA accepts it and returns
+        ``(P * 0) @ V``: zeros, NaN where P or V is NaN. The call runs without dropout (the lse does
+        not depend on dropout) and its output is multiplied by 0, which gives exactly that."""
+        return self.dropout_p == 1.0
+
+
+DROPS_EVERYTHING_NOTE = "dropout_p=1 drops every probability: run without dropout, output multiplied by 0"
 
 
 _CACHE: dict = {}
@@ -69,8 +80,8 @@ def _validated(entry, causal_name, causal, alignment, window_size, softcap, drop
     window = inputs.validate_window(window_size)
     cap = inputs.validate_softcap(softcap, zero_means_off=entry == "varlen")
     p = inputs.validate_dropout(dropout_p)
-    run_p, notes = inputs.dropout_to_run(p)
-    inputs.validate_scale(scale_name, scale, 1)
+    run_p, notes = (0.0, (DROPS_EVERYTHING_NOTE,)) if p == 1.0 else (p, ())
+    inputs.validate_scale(scale_name, scale)
     chunk = inputs.validate_chunk_size(chunk_size)
     return Options(entry, causal, alignment, window, cap, p, run_p, None if scale is None else float(scale),
                    scale_name, return_lse, forced, tuple(notes), chunk)

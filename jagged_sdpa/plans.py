@@ -21,7 +21,9 @@ from jagged_sdpa import batch as batches
 from jagged_sdpa import layout, ops, options as opts
 from jagged_sdpa.backends import IMPLS, Backend, keyed_dropout
 from jagged_sdpa.checks import inputs
-from jagged_sdpa.selection import Explanation, _ORDER, choose, select, with_notes
+from jagged_sdpa import spec as specs
+from jagged_sdpa.selection import Explanation, _ORDER, select, with_notes
+from jagged_sdpa.selection import choose as choose_backend
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 
@@ -66,11 +68,12 @@ class Plan:
     """
 
     def __init__(self, batch: batches.Batch, options: opts.Options, refusal: Optional[str] = None,
-                 layout_notes: tuple = ()):
+                 layout_notes: tuple = (), inputs_checked: bool = False):
         self._batch = batch
         self._options = options
         self._refusal = refusal     # a traced call without max lengths: raised when the operator runs
         self._layout_notes = tuple(layout_notes)   # how sdpa's NJTs were unwrapped, for explain
+        self._inputs_checked = inputs_checked      # sdpa checked its NJTs' kinds and shapes itself
         self._kinds: dict = {}
 
     # -- per layer -------------------------------------------------------------------------------
@@ -79,42 +82,36 @@ class Plan:
             sinks: Optional[Tensor] = None):
         """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=..., sinks=...)``: out,
         or (out, lse) with ``return_lse=True``."""
-        result = self._run(q, k, v, alibi_slopes, validated=False, sinks=sinks)
+        result = self._run(q, k, v, alibi_slopes, sinks)
         return (result.out, result.lse) if self._options.return_lse else result.out
 
     def explain(self, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
                 sinks: Optional[Tensor] = None) -> Explanation:
         """Which backend ``run(q, k, v, ...)`` would take, and why not the others; runs nothing."""
-        return self._explain(q, k, v, alibi_slopes, validated=False, sinks=sinks)
-
-    def _explain(self, q, k, v, alibi_slopes, validated: bool, sinks=None) -> Explanation:
         q, k, v = autocast(q, k, v)
-        prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False, sinks=sinks)
+        prepared = self._prepare(q, k, v, alibi_slopes, sinks, choose=False)
         return with_notes(select(prepared.spec, self._options.forced), prepared.notes)
 
-    def _run(self, q, k, v, alibi_slopes, validated: bool, sinks=None) -> AttnOutput:
-        """The run of a call whose q, k, v are packed; ``validated`` when the caller (``sdpa``)
-        has checked their kinds and shapes itself."""
+    def _run(self, q, k, v, alibi_slopes, sinks=None) -> AttnOutput:
+        """The run of a call whose q, k, v are packed: its call (``_call``), then its backend."""
         q, k, v = autocast(q, k, v)
-        call, prepared = self._call(q, k, v, alibi_slopes, validated, sinks=sinks)
+        call, prepared = self._call(q, k, v, alibi_slopes, sinks)
         runner = prepared.runner
         if runner is _NOT_YET:  # built on the first run that would go straight to the backend
             runner = None
             if prepared.backend is not None and not prepared.spec.needs_grad and ops.unobserved(call):
                 runner = prepared.runner = IMPLS[prepared.backend].forward_runner(call)
         result = ops.run(prepared.backend, call, runner)
-        if inputs.drops_everything(self._options.dropout_p):
+        if self._options.drops_everything:
             result = AttnOutput(result.out * 0, result.lse)
         return result
 
-    def _call(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True, sinks=None
-              ) -> tuple[PackedCall, _Prepared]:
-        """The call ``run`` hands to ``ops.run``, and what its kind's first run prepared (no
-        backend when not ``choosing``: the call only described, as tests inspect it)."""
-        if not choosing:
-            prepared = self._prepare(q, k, v, alibi_slopes, validated, choosing=False, sinks=sinks)
-        elif (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
-              and (alibi_slopes is None or type(alibi_slopes) is Tensor) and (sinks is None or type(sinks) is Tensor)):
+    def _call(self, q, k, v, alibi_slopes, sinks=None, choose: bool = True) -> tuple[PackedCall, _Prepared]:
+        """The call ``run`` hands to ``ops.run``, and what its kind's first run prepared; without
+        ``choose`` the call is only described (no backend), as tests inspect it."""
+        if (choose and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+                and not torch.compiler.is_compiling() and (alibi_slopes is None or type(alibi_slopes) is Tensor)
+                and (sinks is None or type(sinks) is Tensor)):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
                 alibi_slopes is not None and alibi_slopes.requires_grad) or (sinks is not None and sinks.requires_grad))
             kind = (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape, v.shape,
@@ -124,14 +121,14 @@ class Plan:
                     None if sinks is None else (sinks.dtype, sinks.device, sinks.shape, sinks.requires_grad))
             prepared = self._kinds.get(kind)
             if prepared is None:
-                prepared = self._prepare(q, k, v, alibi_slopes, validated, sinks=sinks)
+                prepared = self._prepare(q, k, v, alibi_slopes, sinks)
                 if len(self._kinds) >= 32:
                     self._kinds.clear()
                 self._kinds[kind] = prepared
             elif not self._batch.lengths_known and batches._capturing(k):
                 self._batch.bind(q.shape[0], k)  # a later run of the kind, captured: its replays check too
         else:
-            prepared = self._prepare(q, k, v, alibi_slopes, validated, sinks=sinks)
+            prepared = self._prepare(q, k, v, alibi_slopes, sinks, choose=choose)
         b = self._batch
         spec = prepared.spec
         call = PackedCall(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, prepared.run_spec, alibi_slopes, b.seqused_k,
@@ -141,22 +138,23 @@ class Plan:
                           sinks if spec.sinks else None, b.cache_leftpad, b.leftpad_host)
         return call, prepared
 
-    def _prepare(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True, sinks=None) -> _Prepared:
-        """A kind's first run: check the tensors against the plan, build the spec, select."""
+    def _prepare(self, q, k, v, alibi_slopes, sinks=None, choose: bool = True) -> _Prepared:
+        """A kind's first run: check the tensors against the plan (the batch's metadata was checked
+        when it was built), build the spec, select (unless only describing: ``choose=False``)."""
         b, o = self._batch, self._options
-        if not validated:
-            inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k,
-                                           None if b.dense_cache else b.block_table, b.seqused_k, b.cache_leftpad)
+        if not self._inputs_checked:
+            inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q.device, dense_cache=b.dense_cache,
+                                           paged=b.paged and not b.dense_cache, batch=b.size)
         alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
         has_sinks = inputs.validate_sinks(sinks, q.shape[1], q.device)
-        if choosing or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
+        if choose or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
             b.bind(q.shape[0], k)
-        spec = spec_of(b, o, q, k, v, alibi, _needs_grad(alibi_slopes), _needs_grad(q, k, v, alibi_slopes, sinks),
-                       has_sinks, _needs_grad(sinks))
+        spec = specs.for_layer(b, o, q, k, v, alibi, _needs_grad(alibi_slopes),
+                               _needs_grad(q, k, v, alibi_slopes, sinks), has_sinks, _needs_grad(sinks))
         notes = o.notes + self._layout_notes
-        if not choosing or self._refusal is not None:
+        if not choose or self._refusal is not None:
             return _Prepared(spec, None, notes)
-        return _Prepared(spec, choose(spec, o.forced, notes), notes)
+        return _Prepared(spec, choose_backend(spec, o.forced, notes), notes)
 
     # -- per batch -------------------------------------------------------------------------------
 
@@ -219,49 +217,6 @@ def _refill(mine: Optional[Tensor], theirs: Optional[Tensor]) -> Optional[Tensor
     if mine is None or mine.shape != theirs.shape:
         return theirs.clone()
     return mine.copy_(theirs)
-
-
-def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, alibi: Optional[str],
-            alibi_grad: bool, needs_grad: bool, sinks: bool = False, sinks_grad: bool = False) -> AttnSpec:
-    """The selection key and run contract of one layer's call: the batch's facts, the options,
-    the tensors' metadata. The one place an AttnSpec of a wrapper call is made.
-
-    Options that provably change nothing are normalised away, so that every backend takes such
-    calls: a window side past every key, a chunk_size covering every key and row
-    (``inputs.effective_chunk``), and prefix_lens that are all 0 or whose rows see every key anyway
-    (no causal, window or chunk mask to widen)."""
-    fields = ops.tensor_fields(q, k, v, b.size, b.block_table, b.seqused_k, b.dense_cache, b.cache_leftpad)
-    equal = b.equal_lengths or (b.kv_dense and b.max_seqlen_q == b.max_seqlen_k
-                                and q.shape[0] == b.size * b.max_seqlen_k)
-    window = inputs.effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k)
-    chunk = inputs.effective_chunk(o.chunk_size, o.causal, o.alignment, b.max_seqlen_q, b.max_seqlen_k,
-                                   equal or (b.kv_dense and b.max_seqlen_q <= b.max_seqlen_k))
-    prefix = b.prefix_matters and (o.causal or window != (-1, -1) or chunk is not None)
-    return AttnSpec(
-        entry=o.entry,
-        **fields,
-        max_seqlen_q=b.max_seqlen_q,
-        max_seqlen_k=b.max_seqlen_k,
-        has_empty_q=b.has_empty_q,
-        has_empty_k=b.has_empty_k,
-        lengths_known=b.lengths_known,
-        kv_dense=b.kv_dense,
-        causal=o.causal,
-        alignment=o.alignment,
-        window=window,
-        softcap=o.softcap,
-        alibi=alibi,
-        alibi_grad=alibi is not None and alibi_grad,
-        dropout_p=o.run_dropout_p,
-        scale=o.scale_for(fields["head_dim"]),
-        needs_grad=needs_grad,
-        return_lse=o.return_lse,
-        equal_lengths=equal,
-        chunk_size=chunk,
-        prefix=prefix,
-        sinks=sinks,
-        sinks_grad=sinks and sinks_grad,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,18 +286,18 @@ def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Opt
 
 
 def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = None,
-             layout_notes: tuple = ()) -> Plan:
+             layout_notes: tuple = (), inputs_checked: bool = False) -> Plan:
     """The plan of a ``varlen_attention``/``sdpa`` call over batch ``b``: kept on the batch, so a
     later call over the same metadata and options finds it, kinds and selections included."""
     if refusal is not None or layout_notes or torch.compiler.is_compiling():
-        return Plan(b, options, refusal, layout_notes)
+        return Plan(b, options, refusal, layout_notes, inputs_checked)
     plans = b.plans
     found = plans.get(options)
     if found is None:
         if len(plans) >= 16:
             plans.clear()
-        found = plans[options] = Plan(b, options)
+        found = plans[options] = Plan(b, options, inputs_checked=inputs_checked)
     return found
 
 
-__all__ = ["Plan", "plan", "spec_of"]
+__all__ = ["Plan", "plan"]

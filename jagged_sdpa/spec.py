@@ -1,7 +1,9 @@
 """The data that flows from the public call to a backend: ``AttnSpec``, ``PackedCall``, ``AttnOutput``.
 
 ``AttnSpec`` is frozen, hashable and tensor-free: selection, ``explain`` and the capability tests
-work on it alone. This module imports no backend.
+work on it alone. ``build`` (an operator's call) and ``for_layer`` (a plan's) are the one place a
+spec is made, with the normalisations that make options which provably change nothing disappear.
+This module imports no backend.
 
 Shape legend: B batch, Hq/Hkv query/kv heads, D/Dv head dims, total_q/total_k packed token counts,
 max_seqlen_q/_k longest sequence, num_blocks/block_size the paged KV cache geometry.
@@ -10,11 +12,14 @@ max_seqlen_q/_k longest sequence, num_blocks/block_size the paged KV cache geome
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from jagged_sdpa import layout
 
 Alignment = Literal["top_left", "bottom_right"]
 
@@ -208,3 +213,117 @@ class AttnOutput(NamedTuple):
 
 
 _FIELD_NAMES = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (AttnSpec, PackedCall)}
+
+
+# ----------------------------------------------------------------------------------------------
+# building specs
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """CUDA compute capability of ``device`` (cached per device), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def build(q: Tensor, k: Tensor, v: Tensor, *, batch: int, block_table: Optional[Tensor],
+          seqused_k: Optional[Tensor], dense_cache: bool = False, cache_leftpad: Optional[Tensor] = None,
+          **fields) -> AttnSpec:
+    """The spec of a packed, paged or dense-cache call: what its tensors' metadata decide (a dense
+    cache (B, S, Hkv, D) is a paged cache of B blocks of S slots), and ``fields``."""
+    paged = block_table is not None or dense_cache
+    return AttnSpec(
+        device_type=q.device.type,
+        capability=device_capability(q.device),
+        dtype=q.dtype,
+        batch=batch,
+        heads_q=q.shape[1],
+        heads_kv=k.shape[-2],
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        total_q=q.shape[0],
+        total_k=k.shape[0] * (k.shape[1] if paged else 1),
+        last_dim_contiguous=layout.last_dim_contiguous(q, k, v),
+        paged=paged,
+        block_size=k.shape[1] if paged else 0,
+        seqused_k=seqused_k is not None,
+        dense_cache=dense_cache,
+        leftpad=cache_leftpad is not None,
+        **fields,
+    )
+
+
+def effective_window(window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """The window with every side that reaches past all keys written as -1 (unbounded).
+
+    The aligned position i' of any row lies in [-max_seqlen_q, max_seqlen_k), so a side
+    >= max_seqlen_q + max_seqlen_k can never exclude a key. Normalising it here means no kernel
+    sees a huge value (2**63 and beyond wrapped in int64 arithmetic) and every backend treats it
+    alike.
+    """
+    reach = max_seqlen_q + max_seqlen_k
+    return tuple(-1 if side >= reach else side for side in window)
+
+
+def effective_chunk(chunk_size: Optional[int], causal: bool, alignment: str, max_seqlen_q: int, max_seqlen_k: int,
+                    no_negative_positions: bool) -> Optional[int]:
+    """chunk_size, or None where it provably changes nothing, so every backend can take the call.
+
+    Keys lie in chunk 0 when chunk_size >= max_seqlen_k. A row is unaffected when its aligned
+    position i' is in [0, chunk_size) too: top_left positions lie in [0, max_seqlen_q);
+    bottom_right ones lie below max_seqlen_k but are negative where a sequence has more queries
+    than keys, and such rows (chunk -1) lose their keys unless causal already hides every key
+    from them (j <= i' < 0).
+    """
+    if chunk_size is None or chunk_size < max_seqlen_k:
+        return chunk_size
+    if alignment == "top_left":
+        return None if chunk_size >= max_seqlen_q else chunk_size
+    return None if causal or no_negative_positions else chunk_size
+
+
+def for_layer(b, o, q: Tensor, k: Tensor, v: Tensor, alibi: Optional[str], alibi_grad: bool, needs_grad: bool,
+              sinks: bool = False, sinks_grad: bool = False) -> AttnSpec:
+    """The spec of one layer's call over batch ``b`` (``batch.Batch``) with options ``o``
+    (``options.Options``): the selection key and run contract of a plan's run.
+
+    Options that provably change nothing are normalised away, so that every backend takes such
+    calls: a window side past every key, a chunk_size covering every key and row
+    (``effective_chunk``), and prefix_lens that are all 0 or whose rows see every key anyway
+    (no causal, window or chunk mask to widen)."""
+    equal = b.equal_lengths or (b.kv_dense and b.max_seqlen_q == b.max_seqlen_k
+                                and q.shape[0] == b.size * b.max_seqlen_k)
+    window = effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k)
+    chunk = effective_chunk(o.chunk_size, o.causal, o.alignment, b.max_seqlen_q, b.max_seqlen_k,
+                            equal or (b.kv_dense and b.max_seqlen_q <= b.max_seqlen_k))
+    return build(
+        q, k, v, batch=b.size, block_table=b.block_table, seqused_k=b.seqused_k, dense_cache=b.dense_cache,
+        cache_leftpad=b.cache_leftpad,
+        entry=o.entry,
+        max_seqlen_q=b.max_seqlen_q,
+        max_seqlen_k=b.max_seqlen_k,
+        has_empty_q=b.has_empty_q,
+        has_empty_k=b.has_empty_k,
+        lengths_known=b.lengths_known,
+        kv_dense=b.kv_dense,
+        causal=o.causal,
+        alignment=o.alignment,
+        window=window,
+        softcap=o.softcap,
+        alibi=alibi,
+        alibi_grad=alibi is not None and alibi_grad,
+        dropout_p=o.run_dropout_p,
+        scale=o.scale_for(q.shape[-1]),
+        needs_grad=needs_grad,
+        return_lse=o.return_lse,
+        equal_lengths=equal,
+        chunk_size=chunk,
+        prefix=b.prefix_matters and (o.causal or window != (-1, -1) or chunk is not None),
+        sinks=sinks,
+        sinks_grad=sinks and sinks_grad,
+    )

@@ -13,7 +13,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """(call, forced backend, notes) of a varlen_attention call, positional as its signature."""
     plan = api._varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             causal, window_size, softcap, return_lse, block_table, seqused_k, backend)
-    call, _ = plan._call(q, k, v, alibi_slopes, validated=False, choosing=False)
+    call, _ = plan._call(q, k, v, alibi_slopes, choose=False)
     return call, plan._options.forced, plan._options.notes + plan._layout_notes
 
 
@@ -23,5 +23,5 @@ def prepare_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     with torch._C.DisableTorchFunctionSubclass():
         plan, q, k, v = api._sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                        causal_alignment, window_size, softcap, backend)
-        call, _ = plan._call(q, k, v, alibi_slopes, validated=True, choosing=False)
+        call, _ = plan._call(q, k, v, alibi_slopes, choose=False)
     return call, plan._options.forced, plan._options.notes + plan._layout_notes

@@ -64,22 +64,6 @@ def validate_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def drops_everything(dropout_p: float) -> bool:
-    """dropout_p == 1 drops every probability. PyTorch's SDPA accepts it and returns
-    ``(P * 0) @ V``: zeros, NaN where P or V is NaN. We run the call without dropout (the lse does
-    not depend on dropout) and multiply the output by 0, which gives exactly that."""
-    return dropout_p == 1.0
-
-
-DROPS_EVERYTHING_NOTE = "dropout_p=1 drops every probability: run without dropout, output multiplied by 0"
-
-
-def dropout_to_run(dropout_p: float) -> tuple[float, tuple[str, ...]]:
-    """The dropout probability the kernels run with, and the explain note when it differs from the
-    validated ``dropout_p`` (see ``drops_everything``)."""
-    return (0.0, (DROPS_EVERYTHING_NOTE,)) if drops_everything(dropout_p) else (dropout_p, ())
-
-
 def validate_not_meta(name: str, x: Tensor) -> None:
     """A call needs data: meta tensors (no storage) are refused before selection. ``explain``
     takes them, which describes a call without allocating its tensors. Non-tensors are left to the
@@ -88,14 +72,13 @@ def validate_not_meta(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} is a meta tensor: attention needs data (explain() accepts meta tensors)")
 
 
-def validate_scale(name: str, scale, head_dim: int) -> float:
+def validate_scale(name: str, scale) -> None:
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return
     if not _is_real(scale):
         raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"{name} must be finite, got {scale}")
-    return float(scale)
 
 
 def validate_window(window_size) -> tuple[int, int]:
@@ -111,18 +94,6 @@ def validate_window(window_size) -> tuple[int, int]:
     return (int(left), int(right))
 
 
-def effective_window(window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
-    """The window with every side that reaches past all keys written as -1 (unbounded).
-
-    The aligned position i' of any row lies in [-max_seqlen_q, max_seqlen_k), so a side
-    >= max_seqlen_q + max_seqlen_k can never exclude a key. Normalising it here means no kernel
-    sees a huge value (2**63 and beyond wrapped in int64 arithmetic) and every backend treats it
-    alike.
-    """
-    reach = max_seqlen_q + max_seqlen_k
-    return tuple(-1 if side >= reach else side for side in window)
-
-
 def validate_chunk_size(chunk_size) -> Optional[int]:
     """chunk_size (API.md 11): a positive int, or None (off)."""
     if chunk_size is None:
@@ -132,23 +103,6 @@ def validate_chunk_size(chunk_size) -> Optional[int]:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (or None for no chunking), got {chunk_size}")
     return int(chunk_size)
-
-
-def effective_chunk(chunk_size: Optional[int], causal: bool, alignment: str, max_seqlen_q: int, max_seqlen_k: int,
-                    no_negative_positions: bool) -> Optional[int]:
-    """chunk_size, or None where it provably changes nothing, so every backend can take the call.
-
-    Keys lie in chunk 0 when chunk_size >= max_seqlen_k. A row is unaffected when its aligned
-    position i' is in [0, chunk_size) too: top_left positions lie in [0, max_seqlen_q);
-    bottom_right ones lie below max_seqlen_k but are negative where a sequence has more queries
-    than keys, and such rows (chunk -1) lose their keys unless causal already hides every key
-    from them (j <= i' < 0).
-    """
-    if chunk_size is None or chunk_size < max_seqlen_k:
-        return chunk_size
-    if alignment == "top_left":
-        return None if chunk_size >= max_seqlen_q else chunk_size
-    return None if causal or no_negative_positions else chunk_size
 
 
 def validate_sinks(sinks, heads_q: int, device: torch.device) -> bool:
@@ -333,15 +287,15 @@ def validate_sdpa_tensors(query, key, value, enable_gqa) -> tuple[tuple, tuple, 
 # varlen
 
 
-def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad=None) -> None:
-    """Kinds, dtypes, devices and shapes of varlen_attention's tensors (contents: layout.py)."""
+def validate_varlen_tensors(q, k, v, device: torch.device, *, paged: bool, dense_cache: bool, batch: int) -> None:
+    """Kinds, dtypes, devices and shapes of a plan's run's q, k, v, against its batch: the metadata
+    (``validate_varlen_metadata``, contents in layout.py) were checked when the batch was built, all
+    on ``device``. ``paged``: k/v are a block-table cache; ``dense_cache``: a (B, S, Hkv, D) cache."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         validate_tensor(name, t)
         if t.is_nested:
             raise TypeError(f"{name} must be a dense packed tensor, got a nested tensor (use jagged_sdpa.sdpa for NJTs)")
     validate_float_dtypes(("q", "k", "v"), (q, k, v))
-    paged = block_table is not None
-    dense_cache = not paged and cu_seqlens_k is None
     kv_dims = 4 if paged or dense_cache else 3
     form = ("(num_blocks, block_size, Hkv, D)" if paged else
             "(B, S, Hkv, D) (a dense cache: cu_seqlens_k is None)" if dense_cache else "(total_k, Hkv, D)")
@@ -358,16 +312,13 @@ def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, se
     if q.shape[-1] < 1 or v.shape[-1] < 1:
         raise ValueError(f"head dims must be >= 1, got D={q.shape[-1]}, Dv={v.shape[-1]}")
     validate_same_device(("q", "k", "v"), (q, k, v))
-    validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad)
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table),
-                    ("seqused_k", seqused_k), ("cache_leftpad", cache_leftpad)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.device != device:
+        raise ValueError(f"cu_seqlens_q is on {device} but q is on {q.device}")
     if paged and k.shape[1] < 1:
         raise ValueError(f"k_cache block_size must be >= 1, got {k.shape[1]}")
-    if dense_cache and k.shape[0] != cu_seqlens_q.shape[0] - 1:
+    if dense_cache and k.shape[0] != batch:
         raise ValueError(f"a dense cache k must have one row per sequence: shape (B, S, Hkv, D) with "
-                         f"B = {cu_seqlens_q.shape[0] - 1}, got {tuple(k.shape)}")
+                         f"B = {batch}, got {tuple(k.shape)}")
 
 
 def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad=None) -> None:

@@ -48,6 +48,7 @@ ROWS = (
     ("zero-length sequences", lambda c: _yes(c.empty_sequences)),
     ("seqused_k", lambda c: _yes(c.seqused_k)),
     ("paged KV cache", lambda c: _yes(c.paged)),
+    ("dense KV cache read in place (`cache_leftpad`)", lambda c: _yes(c.dense_cache)),
     ("attention sinks (`sinks`)", lambda c: _yes(c.sinks)),
     ("gradient of the sinks", lambda c: _yes(c.sinks and c.sinks_grad)),
     ("chunked attention (`chunk_size`)", lambda c: _yes(c.chunked)),

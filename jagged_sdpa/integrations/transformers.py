@@ -137,6 +137,10 @@ class _Unpad:
     cache_leftpad: torch.Tensor | None = None
     queries_full: bool = False
     cu_seqlens_full: torch.Tensor | None = None
+    # Every row's padded query rows come first and its real queries are all its keys (a left-padded
+    # prompt): under causal masking a padded row then sees no key and outputs zeros, exactly what the
+    # packed path gives it, so the cache can be read in place for all B * Q rows too.
+    queries_left_padded: bool = False
 
     def queries_as_keys(self) -> "_Unpad":
         """The same batch with the valid keys as the only queries (self-attention): what a
@@ -195,9 +199,16 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, che
         first = lens_k.new_zeros(lens_k.shape)
         holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
     zero = lens_q.new_zeros(1)
-    max_q, max_k, has_holes, missing_q, missing_k, *checked = torch.stack(
+    if Q > 0:
+        first_q = query_valid.to(torch.int8).argmax(1)
+        left = ((lens_q == 0) | (first_q == Q - lens_q)) & ((lens_q == Q) | (lens_k == lens_q))
+        not_left = (~left).any()
+    else:
+        not_left = torch.zeros((), dtype=torch.bool, device=key_valid.device)
+    max_q, max_k, has_holes, missing_q, missing_k, not_left_padded, *checked = torch.stack(
         [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32),
-         (Q - torch.cat([lens_q, Q + zero])).max(), (K - torch.cat([lens_k, K + zero])).max()]
+         (Q - torch.cat([lens_q, Q + zero])).max(), (K - torch.cat([lens_k, K + zero])).max(),
+         not_left.to(torch.int32)]
         + [c.to(torch.int32) for c in checks]
     ).tolist()
     pad = torch.nn.functional.pad
@@ -215,6 +226,7 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, che
         seqused_k=lens_k,
         cache_leftpad=first.to(torch.int32) if K > 0 and not has_holes else None,
         queries_full=missing_q == 0 and not has_holes,
+        queries_left_padded=not not_left_padded and not has_holes,
         cu_seqlens_full=torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=lens_q.device)[:B + 1],
     )
 
@@ -857,9 +869,10 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "of its queries (e.g. a prompt with padding inside it); the distances would differ from "
                 "eager. Decoding one token per row past such padding is supported"
             )
-        if info.queries_full:
-            # every query row is real and each row's keys are one run of cache slots: read the
-            # cache where it lies (API.md 12), no gather of K/V and no scatter of the output
+        if info.queries_full or (info.queries_left_padded and causal and "prefix_lens" not in options):
+            # every query row is real (or a left-padded prompt's, which sees no key under causal
+            # masking) and each row's keys are one run of cache slots: read the cache where it lies
+            # (API.md 12), no gather of K/V and no scatter of the output
             out = varlen_attention(query.transpose(1, 2).reshape(B * Q, Hq, D), k, v, info.cu_seqlens_full, None,
                                    Q, info.max_seqlen_k, seqused_k=info.seqused_k, cache_leftpad=info.cache_leftpad,
                                    **options)

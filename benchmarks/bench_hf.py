@@ -10,7 +10,9 @@ contenders alike:
             tokens/s counts real (non-padding) tokens only.
             "jagged packed" is the same sequences packed padding-free into one row
             (DataCollatorWithFlattening), where no layer (not only attention) spends work on padding.
-  generate  batched greedy generation (DynamicCache) from the left-padded prompts; new tokens/s.
+  generate  batched greedy generation (DynamicCache) from the left-padded prompts; new tokens/s and
+            peak RSS, "jagged" against "sdpa" (eager's tokens are the reference; --time-eager times it);
+            --dtype bfloat16 runs the models in bf16 (tokens checked against sdpa's).
   cb        continuous batching (model.generate_batch, paged cache, chunked prefill): transformers'
             "sdpa" against jagged attention in the "sdpa" entry (jt.enable_continuous_batching());
             --cb-prompts prompts of evenly spread lengths --cb-min-len..--cb-max-len (shuffled), greedy;
@@ -94,6 +96,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--time-eager", action="store_true", help="time eager's generate too (slow)")
     parser.add_argument("--sections", default="train,generate,cb",
                         help="comma-separated subset of train,generate,cb (train and generate run together)")
     parser.add_argument("--cb-prompts", type=int, default=16)
@@ -132,7 +136,14 @@ def main() -> None:
     if not sections & {"train", "generate"}:
         return
 
-    # ---------------------------------------------------------------- training step
+    if "train" in sections:
+        training(args, models, name, gen)
+    if "generate" in sections:
+        generation(args, models, name, torch.Generator().manual_seed(args.seed + 2))
+
+
+def training(args, models, name, gen: torch.Generator) -> None:
+    """One training step, padded and packed, against eager and sdpa."""
     lengths = ragged_lengths(args.batch, args.max_len, gen)
     seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
     ids, mask, labels = pad(seqs, "right")
@@ -161,53 +172,75 @@ def main() -> None:
         got = train_step(impl, pm)
         if not torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
             raise SystemExit(f"{label}: loss {got.item():.6f} differs from eager's {ref.item():.6f}")
-    train_times = {label: [] for label, _, _ in contenders}
+    times = {label: [] for label, _, _ in contenders}
     for _ in range(args.rounds):
         for label, impl, pm in contenders:
-            train_times[label].append(timed(lambda: train_step(impl, pm)))
+            times[label].append(timed(lambda: train_step(impl, pm)))
+    base = statistics.median(times["eager"])
+    print(f"medians of {args.rounds} interleaved rounds; losses checked against eager")
+    print(f"{'contender':<18} {'train step ms':>13} {'real tokens/s':>13} {'vs eager':>8}")
+    for label, _, _ in contenders:
+        t = statistics.median(times[label])
+        print(f"{label:<18} {1e3 * t:>13.1f} {real / t:>13,.0f} {base / t:>7.2f}x")
 
-    # ---------------------------------------------------------------- generation
+
+def _peak_rss_reset() -> bool:
+    """Reset this process's peak resident set size (Linux: clear_refs 5); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def generation(args, models, name, gen: torch.Generator) -> None:
+    """Batched greedy generation from left-padded prompts (DynamicCache): "jagged" against "sdpa",
+    tokens checked against eager's; new tokens/s and each contender's peak RSS during the call."""
+    dtype = getattr(torch, args.dtype)
     p_lengths = ragged_lengths(args.batch, args.prompt_max_len, gen)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in p_lengths]
     p_ids, p_mask, _ = pad(prompts, "left")
     p_waste = 1 - p_mask.sum().item() / p_mask.numel()
-    print(f"generation: {args.batch} prompts, lengths {sorted(p_lengths, reverse=True)}, left-padded to "
-          f"{p_ids.shape[1]} ({100 * p_waste:.0f}% padding), {args.new_tokens} new tokens each, greedy, DynamicCache")
+    print(f"\ngeneration: {args.batch} prompts, lengths {sorted(p_lengths, reverse=True)}, left-padded to "
+          f"{p_ids.shape[1]} ({100 * p_waste:.0f}% padding), {args.new_tokens} new tokens each, greedy, "
+          f"DynamicCache, {args.dtype}")
 
     def generate(impl):
-        model = models[impl].eval()
+        model = models[impl].eval().to(dtype)
         with torch.no_grad():
             return model.generate(p_ids, attention_mask=p_mask, past_key_values=DynamicCache(config=model.config),
                                   max_new_tokens=args.new_tokens, do_sample=False)
 
-    gen_contenders = [("eager", "eager"), ("sdpa", "sdpa"), (f"{name} (padded)", name)]
-    ref_tokens = generate("eager")
-    for label, impl in gen_contenders[1:]:
+    timed_impls = [("sdpa", "sdpa"), (name, name)] + ([("eager", "eager")] if args.time_eager else [])
+    reference = "eager" if dtype == torch.float32 else "sdpa"  # eager's bf16 sums round differently
+    ref_tokens = generate(reference)
+    peaks = {}
+    for label, impl in timed_impls:
+        resettable = _peak_rss_reset()
         if not torch.equal(generate(impl), ref_tokens):
-            raise SystemExit(f"{label}: generated tokens differ from eager's")
-    gen_times = {label: [] for label, _ in gen_contenders}
+            raise SystemExit(f"{label}: generated tokens differ from {reference}'s")
+        peaks[label] = _peak_rss_mb() if resettable else float("nan")
+    times = {label: [] for label, _ in timed_impls}
     for _ in range(args.gen_rounds):
-        for label, impl in gen_contenders:
-            gen_times[label].append(timed(lambda: generate(impl)))
-
-    # ---------------------------------------------------------------- table
+        for label, impl in timed_impls:
+            times[label].append(timed(lambda: generate(impl)))
     new_total = args.batch * args.new_tokens
-    base_train = statistics.median(train_times["eager"])
-    base_gen = statistics.median(gen_times["eager"])
-    print(f"\nmedians of {args.rounds} (train) / {args.gen_rounds} (generate) interleaved rounds; "
-          "losses and generated tokens checked against eager")
-    print(f"{'contender':<18} {'train step ms':>13} {'real tokens/s':>13} {'vs eager':>8}   "
-          f"{'generate ms':>11} {'new tokens/s':>12} {'vs eager':>8}")
-    for label, _, _ in contenders:
-        t = statistics.median(train_times[label])
-        row = f"{label:<18} {1e3 * t:>13.1f} {real / t:>13,.0f} {base_train / t:>7.2f}x   "
-        if label in gen_times:
-            g = statistics.median(gen_times[label])
-            row += f"{1e3 * g:>11.1f} {new_total / g:>12,.0f} {base_gen / g:>7.2f}x"
-        else:
-            row += f"{'-':>11} {'-':>12} {'-':>8}"
-        print(row)
-
+    base = statistics.median(times["sdpa"])
+    print(f"medians of {args.gen_rounds} interleaved rounds; tokens checked against {reference}'s; peak RSS of the "
+          "process during each contender's first call")
+    print(f"{'contender':<10} {'generate ms':>11} {'new tokens/s':>12} {'vs sdpa':>8} {'peak RSS MB':>11}")
+    for label, _ in timed_impls:
+        g = statistics.median(times[label])
+        print(f"{label:<10} {1e3 * g:>11.1f} {new_total / g:>12,.0f} {base / g:>7.2f}x {peaks[label]:>11.0f}")
 
 
 def continuous_batching(args, model, gen: torch.Generator) -> None:

@@ -9,6 +9,8 @@ the cores here are shared), best of ``--rounds`` rounds of ``--reps`` calls:
 - a 32-layer paged decode step (B=8, one query each, block 16, contexts 20-300, Hq 8 / Hkv 2,
   D 64, fp32 and bf16): one plan run per layer, against reading the layer's used K/V once (the
   step's floor: ``torch.index_select`` of the used blocks) and against ``varlen_attention`` per layer.
+- a decode step over a dense left-padded cache as transformers keeps it (``dense_decode``): read in
+  place, against the packed path and transformers' "sdpa", one layer and 32 layers.
 
 Run: python benchmarks/bench_plans.py [--reps N] [--rounds N] [--threads N]
 """
@@ -115,21 +117,89 @@ def decode_step(dtype: torch.dtype, reps: int, rounds: int, layers: int = 32) ->
     return rows
 
 
+def dense_decode(dtype: torch.dtype, reps: int, rounds: int, layers: int = 32) -> list[tuple[str, float, float]]:
+    """Rows of a decode step over a dense left-padded cache as transformers keeps it (B=8, one query
+    each, contexts 20-300 left-padded into S=320, Hq 8 / Hkv 2, D 64, (B, Hkv, S, D) per layer),
+    ratio to reading the used K/V once: one layer and a ``layers``-layer step whose metadata is new
+    (as each generate step's is), against transformers' "sdpa" (one SDPA call on the padded cache
+    with a boolean padding mask) and the packed path (gather the valid K/V, attend, scatter)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, S, hq, hkv, d = 8, 320, 8, 2, 64
+    contexts = torch.randint(20, 301, (batch,), generator=gen)
+    leftpad = (S - contexts).to(torch.int32)
+    used = contexts.to(torch.int32)
+    caches = [(torch.randn(batch, hkv, S, d, generator=gen).to(dtype),
+               torch.randn(batch, hkv, S, d, generator=gen).to(dtype)) for _ in range(layers)]
+    qs = [torch.randn(batch, hq, d, generator=gen).to(dtype) for _ in range(layers)]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32)
+    valid = torch.arange(S)[None, :] >= leftpad[:, None]                       # (B, S)
+    rows = (torch.arange(batch * hkv)[:, None] * S + torch.arange(S)[None, :])[valid.repeat_interleave(hkv, 0)]
+    mask = valid[:, None, None, :]
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), used.cumsum(0).to(torch.int32)])
+    b_idx, s_idx = valid.nonzero(as_tuple=True)
+
+    def floor(n=layers):
+        for kc, vc in caches[:n]:
+            kc.view(-1, d).index_select(0, rows)
+            vc.view(-1, d).index_select(0, rows)
+
+    def in_place(n=layers, fresh=False):
+        u, lp = (used.clone(), leftpad.clone()) if fresh else (used, leftpad)
+        for q, (kc, vc) in zip(qs[:n], caches[:n]):
+            jagged_sdpa.varlen_attention(q, kc.transpose(1, 2), vc.transpose(1, 2), cu_q, None, 1, S, seqused_k=u,
+                                         cache_leftpad=lp, causal=True)
+
+    def packed(n=layers):
+        for q, (kc, vc) in zip(qs[:n], caches[:n]):
+            k, v = kc[b_idx, :, s_idx], vc[b_idx, :, s_idx]
+            out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 1, S, causal=True)
+            out.new_zeros(batch, hq, d).index_copy(0, torch.arange(batch), out)
+
+    def sdpa(n=layers):
+        for q, (kc, vc) in zip(qs[:n], caches[:n]):
+            F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask, enable_gqa=True)
+
+    name = str(dtype).replace("torch.", "")
+    rows_out = []
+    for n, label in ((1, "one layer"), (layers, f"{layers}-layer step")):
+        r = max(reps // (n * 4), 3)
+        base = best_us(lambda: floor(n), r, rounds)
+        rows_out.append((f"{name}, {label}: read used K/V once (floor)", base, 1.0))
+        contenders = [("in place (varlen_attention, seqused_k + cache_leftpad)", lambda: in_place(n))]
+        if n > 1:
+            contenders.append(("in place, new metadata this step", lambda: in_place(n, fresh=True)))
+        contenders += [("packed: gather K/V, attend, scatter", lambda: packed(n)),
+                       ("transformers' sdpa: SDPA on the padded cache + mask", lambda: sdpa(n))]
+        for label2, fn in contenders:
+            us = best_us(fn, r, rounds)
+            rows_out.append((f"{name}, {label}: {label2}", us, us / base))
+    return rows_out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", default="tiny,paged,dense", help="sections: tiny, paged, dense")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), process time, best of {args.rounds}")
-    print("\n| tiny batch | us per call | x dense (fwd or fwd+bwd) |\n|---|---:|---:|")
-    for name, us, ratio in tiny(args.reps, args.rounds):
-        print(f"| {name} | {us:.1f} | {ratio:.2f}x |")
-    print("\n| 32-layer paged decode step | us per step | x floor |\n|---|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, us, ratio in decode_step(dtype, args.reps, args.rounds):
-            print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
+    only = set(args.only.split(","))
+    if "tiny" in only:
+        print("\n| tiny batch | us per call | x dense (fwd or fwd+bwd) |\n|---|---:|---:|")
+        for name, us, ratio in tiny(args.reps, args.rounds):
+            print(f"| {name} | {us:.1f} | {ratio:.2f}x |")
+    if "paged" in only:
+        print("\n| 32-layer paged decode step | us per step | x floor |\n|---|---:|---:|")
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, us, ratio in decode_step(dtype, args.reps, args.rounds):
+                print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
+    if "dense" in only:
+        print("\n| dense left-padded decode (transformers' cache) | us | x floor |\n|---|---:|---:|")
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, us, ratio in dense_decode(dtype, args.reps, args.rounds):
+                print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
     return 0
 
 

@@ -103,3 +103,22 @@ def alibi_slopes(kind, batch, heads, high=0.5, generator=None):
     if kind == "per_batch_head":
         return torch.rand(batch, heads, generator=generator) * high
     return None
+
+
+def feature_call(feature: dict, batch: int, key_lengths) -> tuple[dict, tuple[int, int], object]:
+    """A feature-table entry as (the call's options, (Hq, Hkv), Dv or None): ``heads`` and
+    ``head_dim_v`` shape the case; ``alibi`` ("per_head" / "per_batch_head"), ``sinks`` and
+    ``prefix`` (True) become tensors; everything else is an option as it stands."""
+    f = dict(feature)
+    heads_q, heads_kv = f.pop("heads", (4, 2))
+    head_dim_v = f.pop("head_dim_v", None)
+    alibi = f.pop("alibi", None)
+    if alibi == "per_head":
+        f["alibi_slopes"] = torch.rand(heads_q) * 0.5
+    elif alibi == "per_batch_head":
+        f["alibi_slopes"] = torch.rand(batch, heads_q) * 0.5
+    if f.pop("sinks", False):
+        f["sinks"] = torch.randn(heads_q)
+    if f.pop("prefix", False):
+        f["prefix_lens"] = torch.tensor([min(3, n) for n in key_lengths], dtype=torch.int32)
+    return f, (heads_q, heads_kv), head_dim_v

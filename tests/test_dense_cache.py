@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import jagged_sdpa
 from jagged_sdpa import Backend
+from cases import feature_call
 from reference import attention_reference
-from tolerances import assert_close_lse, assert_close_packed, tolerance
+from tolerances import assert_cache_grads_close, assert_close_lse, assert_close_packed, float64_leaves, tolerance
 
 BACKENDS = list(Backend)
 NAN = float("nan")
@@ -134,28 +135,20 @@ FEATURES = {
     "mqa": dict(heads=(4, 1)),
     "window": dict(window_size=(6, 0)),
     "softcap": dict(softcap=2.5),
-    "alibi_per_batch_head": dict(alibi=True),
+    "alibi_per_batch_head": dict(alibi="per_batch_head"),
     "sinks": dict(sinks=True),
     "chunk_size": dict(chunk_size=4),
     "prefix_lens": dict(prefix=True),
-    "head_dim_v_differs": dict(head_dim_v=24),
+    "head_dim_v": dict(head_dim_v=24),
 }
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_features(backend, feature):
-    f = dict(FEATURES[feature])
-    heads_q, heads_kv = f.pop("heads", (4, 2))
-    case = make_case(Q_LENS, K_LENS, STARTS, heads_q=heads_q, heads_kv=heads_kv, head_dim_v=f.pop("head_dim_v", None),
-                     seed=1)
-    if f.pop("alibi", False):
-        f["alibi_slopes"] = torch.rand(len(Q_LENS), heads_q) * 0.5
-    if f.pop("sinks", False):
-        f["sinks"] = torch.randn(heads_q)
-    if f.pop("prefix", False):
-        f["prefix_lens"] = torch.tensor([min(3, n) for n in K_LENS], dtype=torch.int32)
-    check(backend, case, **f)
+    options, (heads_q, heads_kv), head_dim_v = feature_call(FEATURES[feature], len(Q_LENS), K_LENS)
+    case = make_case(Q_LENS, K_LENS, STARTS, heads_q=heads_q, heads_kv=heads_kv, head_dim_v=head_dim_v, seed=1)
+    check(backend, case, **options)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -188,17 +181,12 @@ def test_gradients_wrt_query_and_cache(backend, contiguous):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    q64 = case.q.detach().double().requires_grad_(True)
-    kc64 = case.k_cache.detach().double().requires_grad_(True)
-    vc64 = case.v_cache.detach().double().requires_grad_(True)
+    q64, kc64, vc64 = float64_leaves(case.q, case.k_cache, case.v_cache)
     k, v, cu_k = case.packed_keys(kc64, vc64)
     ref_out, _ = attention_reference(q64, k, v, case.cu_q.tolist(), cu_k, causal=True, alignment="bottom_right")
     ref_out.backward(grad_out.double())
-    assert_close_packed(case.q.grad, q64.grad, cu_seqlens=case.cu_q.tolist(), name="dq", grad=True)
-    for name, got, want in (("dk_cache", case.k_cache.grad, kc64.grad), ("dv_cache", case.v_cache.grad, vc64.grad)):
-        assert got is not None and got.shape == want.shape, name
-        rows = list(range(got.shape[0] * got.shape[1] + 1))
-        assert_close_packed(got.flatten(0, 1), want.flatten(0, 1), cu_seqlens=rows, name=name, grad=True)
+    assert_cache_grads_close(case.q, case.k_cache, case.v_cache, q64, kc64, vc64, case.cu_q.tolist())
+    for name, got in (("dk_cache", case.k_cache.grad), ("dv_cache", case.v_cache.grad)):
         for b, (s, n) in enumerate(zip(case.starts, case.k_lens)):
             assert not got[b, :s].any() and not got[b, s + n:].any(), f"{name}: gradient outside row {b}'s range"
 

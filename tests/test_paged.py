@@ -22,8 +22,9 @@ import torch
 
 import jagged_sdpa
 from jagged_sdpa import Backend
+from cases import feature_call
 from reference import attention_reference
-from tolerances import assert_close_lse, assert_close_packed, tolerance
+from tolerances import assert_cache_grads_close, assert_close_lse, assert_close_packed, float64_leaves, tolerance
 
 BACKENDS = list(Backend)
 NAN = float("nan")
@@ -189,16 +190,10 @@ FEATURES = {
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_features(backend, feature):
-    f = dict(FEATURES[feature])
-    heads_q, heads_kv = f.pop("heads", (4, 2))
-    case = make_case(MIXED_Q, MIXED_K, block_size=16, heads_q=heads_q, heads_kv=heads_kv,
-                     head_dim_v=f.pop("head_dim_v", None), seed=1)
-    alibi = f.pop("alibi", None)
-    if alibi == "per_head":
-        f["alibi_slopes"] = torch.rand(heads_q) * 0.5
-    elif alibi == "per_batch_head":
-        f["alibi_slopes"] = torch.rand(len(MIXED_Q), heads_q) * 0.5
-    check(backend, case, **f)
+    options, (heads_q, heads_kv), head_dim_v = feature_call(FEATURES[feature], len(MIXED_Q), MIXED_K)
+    case = make_case(MIXED_Q, MIXED_K, block_size=16, heads_q=heads_q, heads_kv=heads_kv, head_dim_v=head_dim_v,
+                     seed=1)
+    check(backend, case, **options)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -275,19 +270,11 @@ def test_gradients_wrt_query_and_cache(backend):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    q64 = case.q.detach().double().requires_grad_(True)
-    kc64 = case.k_cache.detach().double().requires_grad_(True)
-    vc64 = case.v_cache.detach().double().requires_grad_(True)
+    q64, kc64, vc64 = float64_leaves(case.q, case.k_cache, case.v_cache)
     ref_case = PagedCase(q64, kc64, vc64, case.cu_q, case.block_table, case.seqused_k, case.q_lens, case.k_lens)
     ref_out, _ = reference(ref_case)
     ref_out.backward(grad_out.double())
-
-    cu = case.cu_q.tolist()
-    assert_close_packed(case.q.grad, q64.grad, cu_seqlens=cu, name="dq", grad=True)
-    for name, got, want in (("dk_cache", case.k_cache.grad, kc64.grad), ("dv_cache", case.v_cache.grad, vc64.grad)):
-        assert got is not None, f"{name}: no gradient reached the cache"
-        flat = list(range(got.shape[0] * got.shape[1] + 1))
-        assert_close_packed(got.flatten(0, 1), want.flatten(0, 1), cu_seqlens=flat, name=name, grad=True)
+    assert_cache_grads_close(case.q, case.k_cache, case.v_cache, q64, kc64, vc64, case.cu_q.tolist())
 
 
 # ----------------------------------------------------------------------------------------------

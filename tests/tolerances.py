@@ -70,3 +70,18 @@ def assert_close_lse(lse, ref_lse, name="lse"):
         err = (lse.double()[finite] - ref[finite]).abs().max().item()
         tol = 1e-4 if lse.dtype == torch.float32 else 1e-8
         assert err <= tol * (1 + ref[finite].abs().max().item()), f"{name}: max error {err:.3e}"
+
+
+def float64_leaves(*tensors):
+    """Float64 copies of ``tensors`` that require grad: the reference's inputs."""
+    return tuple(t.detach().double().requires_grad_(True) for t in tensors)
+
+
+def assert_cache_grads_close(q, k_cache, v_cache, q64, kc64, vc64, cu_q):
+    """dq (packed rows) and the caches' gradients (rows of their first two dims) against the
+    float64 reference's."""
+    assert_close_packed(q.grad, q64.grad, cu_seqlens=cu_q, name="dq", grad=True)
+    for name, got, want in (("dk_cache", k_cache.grad, kc64.grad), ("dv_cache", v_cache.grad, vc64.grad)):
+        assert got is not None and got.shape == want.shape, f"{name}: no gradient of the cache's shape"
+        rows = list(range(got.shape[0] * got.shape[1] + 1))
+        assert_close_packed(got.flatten(0, 1), want.flatten(0, 1), cu_seqlens=rows, name=name, grad=True)

@@ -446,3 +446,12 @@ def test_gpt_oss_sinks_equal_eager():
             want = eager.generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), max_new_tokens=6,
                                   do_sample=False)
             assert out[b, ids.shape[1]:].tolist() == want[0, len(s):].tolist()
+
+
+def test_eager_mask_without_a_mask_function_is_causal():
+    """The mask hook's fallback when transformers passes no mask_function: its own causal mask."""
+    mask = jt._eager_mask(2, 3, 5, 2, 0, None, None, False, None)
+    expected = masking_utils.eager_mask(batch_size=2, q_length=3, kv_length=5, q_offset=2, kv_offset=0,
+                                        mask_function=masking_utils.causal_mask_function, attention_mask=None,
+                                        use_vmap=False, device="cpu")
+    assert torch.equal(mask, expected)

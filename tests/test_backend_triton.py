@@ -449,6 +449,126 @@ def test_split_k_merge_with_every_option(pack_gqa):
     assert (out_split - out).abs().max() > 0.1  # the mask did change the result
 
 
+def test_paged_split_k_bounds_past_2_32(monkeypatch):
+    """A loose paged max_seqlen_k of 2**32 + 3 (as the flash tests pass): the kernel's split bounds
+    are int64 (16 forced splits of the unclamped bound: the last ones wrapped in int32 and counted
+    the keys twice, lse off by ln 2), and the backend clamps the bound to the table's width x block
+    size before planning."""
+    from jagged_sdpa.backends.triton.fwd import launch_fwd
+    from jagged_sdpa.backends.triton.plans import merge_splits
+    from calls import prepare_varlen
+
+    lens_q, lens_k, hq, hkv, d = [1], [300], 2, 1, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 64)
+    q = torch.randn(sum(lens_q), hq, d)
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, 1, 2**32 + 3)
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k))
+    call, _, _ = prepare_varlen(*args, 0.0, None, False, (-1, -1), 0.0, None, True, table.to(DEVICE),
+                                used.to(DEVICE), "triton")
+    assert call.spec.max_seqlen_k == 2**32 + 3
+    parts = launch_fwd(call, num_splits=16)
+    out, lse = merge_splits(parts.out, parts.lse, q.dtype)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+    seen = _spy_launches(monkeypatch)
+    out, lse = jagged_sdpa.varlen_attention(*args, block_table=table.to(DEVICE), seqused_k=used.to(DEVICE),
+                                            return_lse=True, backend="triton")
+    assert [(name, max_k) for name, _, max_k, _ in seen] == [("fwd", table.shape[1] * 64)]
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_strided_block_table_and_alibi_slopes():
+    """A column-major block table and slopes ``s[::2]`` (per head and per batch and head) are read
+    with their strides, forward and (slopes) backward."""
+    lens_q, lens_k, hq, hkv, d = [3, 1], [40, 21], 2, 1, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 16)
+    table_cm = table.t().contiguous().t()
+    assert table_cm.stride(1) != 1
+    wide = torch.rand(2 * hq)
+    slopes = wide[::2]
+    q = torch.randn(sum(lens_q), hq, d)
+    out, lse = jagged_sdpa.varlen_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, max(lens_q),
+        max(lens_k), block_table=table_cm.to(DEVICE), seqused_k=torch.tensor(lens_k, dtype=torch.int32).to(DEVICE),
+        causal=True, alibi_slopes=slopes.to(DEVICE), return_lse=True, backend="triton")
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k), causal=True,
+                                     alignment="bottom_right", alibi_slopes=slopes.contiguous())
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+    lens = [5, 9]
+    q, k, v = _tensors(lens, lens, hq, hq, d, d, torch.float32)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    per_batch = torch.rand(len(lens), 2 * hq, device=DEVICE)[:, ::2]
+    cu = cu_of(lens).to(DEVICE)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, causal=True, alibi_slopes=per_batch, backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, _, ref_grads = _reference(q, k, v, cu, cu, grad_out, causal=True, alibi_slopes=per_batch.contiguous())
+    assert_close_packed(out, ref_out, cu_seqlens=cu.tolist())
+    for name, x, ref in (("dq", q, ref_grads[0]), ("dk", k, ref_grads[1]), ("dv", v, ref_grads[2])):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+
+def test_kernels_launch_their_config_directly_without_autotuning():
+    """Without JAGGED_SDPA_TRITON_AUTOTUNE the kernels are plain JIT functions launched with the
+    config the rule picks (an autotuner over one config benchmarks it per new key in Triton < 3.7);
+    the rule picks decode and prefill tiles by the row width."""
+    from triton.runtime.autotuner import Autotuner
+    from jagged_sdpa.backends.triton import bwd, fwd
+
+    assert not fwd.AUTOTUNE and not bwd.AUTOTUNE
+    for kernel in (fwd._attn_fwd, bwd._attn_bwd_dkdv, bwd._attn_bwd_dq):
+        assert not isinstance(kernel, Autotuner), kernel
+    q16 = torch.empty(1, 1, 128, dtype=torch.float16)
+    q32 = torch.empty(1, 1, 256, dtype=torch.float32)
+
+    def pick(q, bucket, **kwargs):
+        (config,) = fwd._prune(fwd.default_configs(), {"Q": q, "max_seqlen_q_bucket": bucket}, autotune=False,
+                               HEAD_DIM_PAD=q.shape[-1], HEAD_DIM_V_PAD=q.shape[-1], **kwargs)
+        return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+
+    assert pick(q16, 4096) == (128, 64, 3)
+    assert pick(q16, 1) == (16, 128, 2)
+    assert pick(q16, 2, GROUP=8, PACK_GQA=True) == (16, 128, 2)
+    assert pick(q32, 1) == (16, 32, 1)
+    (config,) = bwd._prune(bwd.bwd_configs() if not bwd.INTERPRETED else [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st, _ in
+        bwd.DEFAULT_TILES], {"Q": q32}, autotune=False, HEAD_DIM_PAD=256, HEAD_DIM_V_PAD=256)
+    assert (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) == (16, 32)
+
+
+def test_autotune_prunes_configs_by_the_devices_shared_memory(monkeypatch):
+    """fp32 D=256 decode with autotuning: every decode config of the tuned set needs more than an
+    H100's 227 KB at 2+ stages; the prune keeps only configs that fit, else the default tile."""
+    from jagged_sdpa.backends.triton import _common, bwd, fwd
+
+    h100 = 232448
+    monkeypatch.setattr(fwd, "shared_memory_limit", lambda q: h100)
+    monkeypatch.setattr(bwd, "shared_memory_limit", lambda q: h100)
+    decode = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=st)
+              for bm in (16, 32) for bn in (64, 128) for st in (2, 3)]
+    configs = decode + fwd.default_configs()
+    q32 = torch.empty(1, 1, 256, dtype=torch.float32)
+    named, dims = {"Q": q32, "max_seqlen_q_bucket": 1}, dict(HEAD_DIM_PAD=256, HEAD_DIM_V_PAD=256)
+    kept = fwd._prune(configs, named, autotune=True, **dims)
+    assert kept and all(fwd.shared_bytes(c, named, dims) <= h100 for c in kept), kept
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in kept] == [(16, 32, 1)]
+    # bf16 D=128 decode fits: the tuned set stays.
+    q16 = torch.empty(1, 1, 128, dtype=torch.float16)
+    dims16 = dict(HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128)
+    assert len(fwd._prune(configs, {"Q": q16, "max_seqlen_q_bucket": 1}, autotune=True, **dims16)) > len(decode) // 2
+    kept = bwd._prune([triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+                       triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)],
+                      {"Q": q32}, autotune=True, **dims)
+    assert all(bwd.shared_bytes(c, {"Q": q32}, dims) <= h100 for c in kept) and kept
+    assert _common.shared_memory_limit(q32) is None   # CPU tensors: nothing to prune by
+
+
 # ---------------------------------------------------------------------------------------------------
 # eligibility
 
@@ -519,7 +639,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     run = subprocess.run([sys.executable, "-m", "jagged_sdpa.backends.triton.compile_check", "--arch", "90",
                           "--quick"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK ") == 4, run.stdout
+    assert run.stdout.count("OK ") == 6, run.stdout
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class Capabilities:
     sinks_grad: bool = False          # differentiates the sinks themselves
     chunked: bool = False             # chunk_size
     prefix: bool = False              # prefix_lens
+    dense_cache: bool = False         # a dense (B, S, Hkv, D) KV cache read in place (API.md 12)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -132,6 +133,8 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield f"chunk_size {spec.chunk_size} not supported (chunked attention, API.md 11)"
     if spec.prefix and not caps.prefix:
         yield "prefix_lens not supported (prefix-LM, API.md 11)"
+    if spec.dense_cache and not caps.dense_cache:
+        yield "dense KV cache read in place (cache_leftpad/seqused_k, API.md 12) not supported"
 
 
 def capability_reasons(spec: AttnSpec, caps: Capabilities) -> tuple[Reason, ...]:

@@ -570,6 +570,119 @@ def test_autotune_prunes_configs_by_the_devices_shared_memory(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# dense KV cache read in place (API.md 12): a paged call of one block of S slots per sequence
+
+
+def _dense_cache(used, leftpad, s, hkv, d, dv, dtype):
+    """(B, S, Hkv, D) caches as transposed views of (B, Hkv, S, D) tensors (transformers' layout),
+    NaN outside each row's range [leftpad, leftpad + used), plus the packed keys the reference sees."""
+    b = len(used)
+    k_store = torch.full((b, hkv, s, d), float("nan"), dtype=dtype)
+    v_store = torch.full((b, hkv, s, dv), float("nan"), dtype=dtype)
+    k_packed = torch.randn(sum(used), hkv, d).to(dtype)
+    v_packed = torch.randn(sum(used), hkv, dv).to(dtype)
+    start = 0
+    for row, (n, lp) in enumerate(zip(used, leftpad)):
+        k_store[row, :, lp:lp + n] = k_packed[start:start + n].transpose(0, 1)
+        v_store[row, :, lp:lp + n] = v_packed[start:start + n].transpose(0, 1)
+        start += n
+    return k_store.transpose(1, 2), v_store.transpose(1, 2), k_packed, v_packed
+
+
+def _dense_call(q, k_cache, v_cache, lens_q, used, leftpad, *, causal=False, window=(-1, -1), softcap=0.0,
+                slopes=None, needs_grad=False):
+    """The PackedCall a dense-cache varlen call arrives as (spec.dense_cache, block_table [[b]])."""
+    from calls import prepare_varlen
+
+    b, s = k_cache.shape[0], k_cache.shape[1]
+    table = torch.arange(b, dtype=torch.int32).unsqueeze(1).to(DEVICE)
+    used_t = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_of(lens_q).to(DEVICE), None, max(lens_q), s, 0.0, None,
+                                causal, window, softcap, slopes, True, table, used_t, "triton")
+    spec = call.spec.replace(dense_cache=True, leftpad=True, needs_grad=needs_grad)
+    return call.replace(spec=spec, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE))
+
+
+def _scatter_to_cache(packed, used, leftpad, s):
+    """Packed (total, H, D) gradients placed at each row's range of a zero (B, S, H, D) cache."""
+    cache = torch.zeros(len(used), s, *packed.shape[1:], dtype=packed.dtype)
+    start = 0
+    for row, (n, lp) in enumerate(zip(used, leftpad)):
+        cache[row, lp:lp + n] = packed[start:start + n]
+        start += n
+    return cache
+
+
+DENSE_CASES = {
+    "gqa-causal-leftpad-prefill-and-decode": dict(lens_q=[3, 1, 0, 5], used=[7, 20, 0, 5], leftpad=[2, 0, 5, 11],
+                                                  s=24, hq=4, hkv=2, causal=True),
+    "window-alibi-softcap-f16": dict(lens_q=[4, 1], used=[19, 9], leftpad=[5, 0], s=24, hq=2, hkv=1,
+                                     window=(6, 0), softcap=3.0, alibi=True, dtype=torch.float16),
+    "split-k-decode-gqa-packed": dict(lens_q=[1, 1], used=[300, 261], leftpad=[7, 40], s=320, hq=4, hkv=2,
+                                      causal=True, backward=False),
+}
+
+
+@pytest.mark.parametrize("case", list(DENSE_CASES), ids=list(DENSE_CASES))
+def test_dense_cache_read_in_place(case):
+    """A dense cache, strided as transformers holds it, with leftpad and NaN outside each row's
+    range: out, lse and the cache-shaped gradients (zero outside the ranges) match the float64
+    reference over the packed keys, and no key outside a range is read."""
+    opts = dict(DENSE_CASES[case])
+    lens_q, used, leftpad, s = opts.pop("lens_q"), opts.pop("used"), opts.pop("leftpad"), opts.pop("s")
+    hq, hkv, d, dtype = opts.pop("hq"), opts.pop("hkv"), 16, opts.pop("dtype", torch.float32)
+    backward = opts.pop("backward", True)
+    causal, window, softcap = opts.get("causal", False), opts.get("window", (-1, -1)), opts.get("softcap", 0.0)
+    k_cache, v_cache, k_packed, v_packed = _dense_cache(used, leftpad, s, hkv, d, d, dtype)
+    assert k_cache.stride(2) == s * d  # a view of (B, Hkv, S, D), read in place
+    q = torch.randn(sum(lens_q), hq, d).to(dtype)
+    slopes = torch.rand(hq) if opts.get("alibi") else None
+    impl = IMPLS[Backend.TRITON]
+    call = _dense_call(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lens_q, used, leftpad, causal=causal,
+                       window=window, softcap=softcap, slopes=None if slopes is None else slopes.to(DEVICE),
+                       needs_grad=backward)
+    assert impl.reasons(call.spec) == (), impl.reasons(call.spec)
+    out, lse, _ = impl.forward(call)
+    grad_out = torch.randn_like(out) if backward else None
+    ref_out, ref_lse, ref_grads = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(used), grad_out,
+                                             causal=causal, alignment="bottom_right", window=window,
+                                             softcap=softcap, alibi_slopes=slopes)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+    if not backward:
+        return
+    dq, dk, dv = impl.backward(call, out, lse, grad_out, ())
+    assert dk.shape == k_cache.shape and dv.shape == v_cache.shape
+    assert_close_packed(dq, ref_grads[0], cu_seqlens=cu_of(lens_q).tolist(), name="dq", grad=True)
+    for name, got, ref in (("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])):
+        expected = _scatter_to_cache(ref, used, leftpad, s)
+        assert not torch.isnan(got).any(), name
+        assert_close_packed(got.reshape(-1, *got.shape[2:]), expected.reshape(-1, *expected.shape[2:]),
+                            cu_seqlens=[0, len(used) * s], name=name, grad=True)
+
+
+def test_dense_cache_length_is_not_a_constexpr(monkeypatch):
+    """A cache growing by a slot per decode step must not compile a kernel per step: the launch
+    carries S only in strides and runtime bounds (PAGE_SIZE stays fixed, DENSE is the mode)."""
+    from jagged_sdpa.backends.triton import fwd
+
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, configs, prune, grid, args, kwargs, named, autotune):
+        seen.append({name: kwargs[name] for name in ("PAGED", "DENSE", "PAGE_SIZE", "HAS_LEFTPAD")})
+        return real(kernel, configs, prune, grid, args, kwargs, named, autotune)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    for s in (9, 10):
+        k_cache, v_cache, _, _ = _dense_cache([5, 9], [1, 0], s, 1, 16, 16, torch.float32)
+        call = _dense_call(torch.randn(2, 2, 16, device=DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), [1, 1],
+                           [5, 9], [1, 0])
+        IMPLS[Backend.TRITON].forward(call)
+    assert seen == [dict(PAGED=False, DENSE=True, PAGE_SIZE=16, HAS_LEFTPAD=True)] * 2
+
+
+# ---------------------------------------------------------------------------------------------------
 # eligibility
 
 

@@ -569,6 +569,34 @@ def test_autotune_prunes_configs_by_the_devices_shared_memory(monkeypatch):
     assert _common.shared_memory_limit(q32) is None   # CPU tensors: nothing to prune by
 
 
+@pytest.mark.parametrize("case", ["fp32-varlen-causal", "fp16-decode-alibi"])
+def test_one_hot_gradients_at_large_logits(case):
+    """q x 300 makes every row's softmax one-hot: P is 1 at the top key, O its value row, and
+    MATH's dq/dk are exact (dS = 0). delta is computed as dP is (the diagonal of dO O^T by the same
+    dot), so TRITON's dS is 0 too instead of dP's and delta's rounding difference times scale |q|."""
+    gen = torch.Generator().manual_seed(0)
+    if case == "fp32-varlen-causal":
+        lens_q = lens_k = [3, 7]
+        hq, hkv, d, dtype, scale, slopes = 1, 1, 32, torch.float32, 1.95, None
+    else:
+        lens_q, lens_k = [1, 1, 1], [9, 17, 30]
+        hq, hkv, d, dtype, scale, slopes = 4, 2, 32, torch.float16, None, torch.rand(4, generator=gen).to(DEVICE)
+    q = (torch.randn(sum(lens_q), hq, d, generator=gen) * 300).to(dtype).to(DEVICE).requires_grad_(True)
+    k = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    v = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, softmax_scale=scale, alibi_slopes=slopes,
+                                       backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, _, ref_grads = _reference(q, k, v, cu_q, cu_k, grad_out, causal=True, alignment="bottom_right",
+                                       scale=scale, alibi_slopes=slopes)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    for name, x, ref, cu in (("dq", q, ref_grads[0], cu_q), ("dk", k, ref_grads[1], cu_k),
+                             ("dv", v, ref_grads[2], cu_k)):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # dense KV cache read in place (API.md 12): a paged call of one block of S slots per sequence
 

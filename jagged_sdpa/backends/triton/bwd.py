@@ -1,6 +1,7 @@
 """Backward attention kernels on packed ``thd`` buffers, with their launcher.
 
-Mirrors ``fwd.py``: ``_attn_bwd_delta`` computes ``delta = rowsum(out * grad_out)`` first, then two
+Mirrors ``fwd.py``: ``_attn_bwd_delta`` computes ``delta = rowsum(out * grad_out)`` first (rounded
+as dP is, so a one-hot row's dS is exactly 0), then two
 kernels recompute the probabilities from q, k and the forward's lse (``P = exp(S - lse)``;
 reference: the float64 ``tests/reference.py`` differentiated by autograd):
 
@@ -20,7 +21,8 @@ dsink_h = -sum_i exp(sink_h - lse_i) delta_i is computed from lse and delta afte
 With dropout Z (keep / (1 - p), the forward's mask recomputed from the call's key):
 dV = (P o Z)^T dO, dP = (dO V^T) o Z, dS = P o (dP - delta); softcap multiplies dS by 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q.
 Same features and limits as the forward, except the paged KV cache (forward-only: blocks shared by
-several rows would need atomics).
+several rows would need atomics); a dense cache's rows are never shared, so its dK/dV are written
+in place of the cache's shape (``DENSE``: row base + (leftpad + j) * token stride).
 """
 
 from __future__ import annotations
@@ -108,24 +110,41 @@ _AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD
 @triton.jit
 def _attn_bwd_delta(
     Out, DO, Delta,                                      # out, grad_out (total_q, Hq, Dv); delta float32 (Hq, total_q)
+    CuQ,                                                 # int32 (B + 1,)
     stride_ot, stride_oh, stride_od,
     stride_dot, stride_doh, stride_dod,
     stride_lh, stride_lt,
-    total_q,
-    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """delta = rowsum(out * grad_out) in float32, one pass over both (no float32 copies)."""
+    """delta = rowsum(out * grad_out) in float32, one pass over both (no float32 copies); grid
+    (row blocks of the longest sequence, Hq, B).
+
+    It is the diagonal of dO O^T computed by ``_dot`` as dP = dO V^T is (same operand dtypes, same
+    padded reduction length, same precision, and row blocks starting where the dK/dV and dQ
+    kernels' do, at multiples of the block inside each sequence): in a row whose P is one-hot, O is
+    that key's value row, so delta equals that key's dP and dS = P (dP - delta) is 0, as in MATH.
+    A tl.sum rounds differently, and at large logits (|q| ~ 1e2) dq/dk picked up that rounding
+    times scale |q|."""
     head = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(2)
+    start_q = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - start_q
+    m0 = tl.program_id(0) * BLOCK_T
+    if m0 >= len_q:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_T)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    rows = offs_t.to(tl.int64)
-    mask = (offs_t < total_q)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    rows = (start_q + offs_m).to(tl.int64)
+    row_ok = offs_m < len_q
+    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     o = tl.load(Out + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
                 + offs_dv[None, :].to(tl.int64) * stride_od, mask=mask, other=0.0)
     do = tl.load(DO + head.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
                  + offs_dv[None, :].to(tl.int64) * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, delta, mask=offs_t < total_q)
+    products = _dot(do, tl.trans(o.to(do.dtype)), IEEE)
+    diagonal = tl.arange(0, BLOCK_T)[:, None] == tl.arange(0, BLOCK_T)[None, :]
+    delta = tl.sum(tl.where(diagonal, products, 0.0), 1)
+    tl.store(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, delta, mask=row_ok)
 
 
 @triton.jit
@@ -428,9 +447,10 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
     named = {"Q": q, "max_seqlen_q_bucket": length_bucket(spec.max_seqlen_q)}
     with on_device(q):
         block_t = 16 if INTERPRETED else 64
-        _attn_bwd_delta[(triton.cdiv(q.shape[0], block_t), spec.heads_q)](
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), *delta.stride(), q.shape[0],
+        _attn_bwd_delta[(triton.cdiv(max_q, block_t), spec.heads_q, batch)](
+            out, grad_out, delta, call.cu_seqlens_q, *out.stride(), *grad_out.stride(), *delta.stride(),
             HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v), BLOCK_T=block_t,
+            IEEE=q.dtype == torch.float32,
         )
         launch(_attn_bwd_dkdv, CONFIGS, _prune,
                lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), spec.heads_kv * group_splits, batch),

@@ -57,7 +57,7 @@ def variants(quick: bool):
            {**ALL_ON, **_dims(128, 128), "DENSE": True, "HAS_LEFTPAD": True, "GROUP_SPLITS": 1, "BLOCK_M": 64,
             "BLOCK_N": 64}, 8, 2)
     yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
-           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64}, 4, 1)
+           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64, "IEEE": False}, 4, 1)
     if quick:
         return
     # Every default tile at the widest row it serves: what runs when autotuning is off.

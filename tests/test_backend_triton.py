@@ -542,6 +542,31 @@ def test_kernels_launch_their_config_directly_without_autotuning():
     assert (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) == (16, 32)
 
 
+def test_autotune_mode_still_runs():
+    """With JAGGED_SDPA_TRITON_AUTOTUNE=1 the kernels are autotuners again (fresh process: the
+    kernel modules read the variable when imported), forward and backward."""
+    code = (
+        "import sys, torch, jagged_sdpa\n"
+        "from triton.runtime.autotuner import Autotuner\n"
+        "from jagged_sdpa.backends.triton import bwd, fwd\n"
+        "assert all(isinstance(k, Autotuner) for k in (fwd._attn_fwd, bwd._attn_bwd_dkdv, bwd._attn_bwd_dq))\n"
+        "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "q, k, v = (torch.randn(14, 2, 16, device=dev, requires_grad=True) for _ in range(3))\n"
+        "cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=dev)\n"
+        "out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, causal=True, backend='triton')\n"
+        "out.sum().backward()\n"
+        "ref = jagged_sdpa.varlen_attention(q.double(), k.double(), v.double(), cu, cu, causal=True, backend='math')\n"
+        "assert (out.double() - ref).abs().max().item() < 1e-5 and q.grad is not None\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAGGED_SDPA_TRITON_AUTOTUNE="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def test_autotune_prunes_configs_by_the_devices_shared_memory(monkeypatch):
     """fp32 D=256 decode with autotuning: every decode config of the tuned set needs more than an
     H100's 227 KB at 2+ stages; the prune keeps only configs that fit, else the default tile."""
@@ -618,7 +643,7 @@ def _dense_cache(used, leftpad, s, hkv, d, dv, dtype):
 
 
 def _dense_call(q, k_cache, v_cache, lens_q, used, leftpad, *, causal=False, window=(-1, -1), softcap=0.0,
-                slopes=None, needs_grad=False):
+                slopes=None, needs_grad=False, sinks=None, chunk_size=None, prefix_lens=None):
     """The PackedCall a dense-cache varlen call arrives as (spec.dense_cache, block_table [[b]])."""
     from calls import prepare_varlen
 
@@ -627,8 +652,10 @@ def _dense_call(q, k_cache, v_cache, lens_q, used, leftpad, *, causal=False, win
     used_t = torch.tensor(used, dtype=torch.int32, device=DEVICE)
     call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_of(lens_q).to(DEVICE), None, max(lens_q), s, 0.0, None,
                                 causal, window, softcap, slopes, True, table, used_t, "triton")
-    spec = call.spec.replace(dense_cache=True, leftpad=True, needs_grad=needs_grad)
-    return call.replace(spec=spec, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE))
+    spec = call.spec.replace(dense_cache=True, leftpad=True, needs_grad=needs_grad, sinks=sinks is not None,
+                             chunk_size=chunk_size, prefix=prefix_lens is not None)
+    return call.replace(spec=spec, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE),
+                        sinks=sinks, prefix_lens=prefix_lens)
 
 
 def _scatter_to_cache(packed, used, leftpad, s):
@@ -646,6 +673,8 @@ DENSE_CASES = {
                                                   s=24, hq=4, hkv=2, causal=True),
     "window-alibi-softcap-f16": dict(lens_q=[4, 1], used=[19, 9], leftpad=[5, 0], s=24, hq=2, hkv=1,
                                      window=(6, 0), softcap=3.0, alibi=True, dtype=torch.float16),
+    "sinks-chunk-prefix": dict(lens_q=[6, 2], used=[20, 11], leftpad=[3, 9], s=24, hq=2, hkv=2, causal=True,
+                               sinks=True, chunk_size=8, prefix=[4, 0]),
     "split-k-decode-gqa-packed": dict(lens_q=[1, 1], used=[300, 261], leftpad=[7, 40], s=320, hq=4, hkv=2,
                                       causal=True, backward=False),
 }
@@ -665,21 +694,25 @@ def test_dense_cache_read_in_place(case):
     assert k_cache.stride(2) == s * d  # a view of (B, Hkv, S, D), read in place
     q = torch.randn(sum(lens_q), hq, d).to(dtype)
     slopes = torch.rand(hq) if opts.get("alibi") else None
+    sinks = torch.randn(hq) if opts.get("sinks") else None
+    prefix = torch.tensor(opts["prefix"], dtype=torch.int32) if "prefix" in opts else None
+    extra = dict(sinks=sinks, chunk_size=opts.get("chunk_size"), prefix_lens=prefix)
     impl = IMPLS[Backend.TRITON]
+    on_device = {name: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for name, x in extra.items()}
     call = _dense_call(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lens_q, used, leftpad, causal=causal,
                        window=window, softcap=softcap, slopes=None if slopes is None else slopes.to(DEVICE),
-                       needs_grad=backward)
+                       needs_grad=backward, **on_device)
     assert impl.reasons(call.spec) == (), impl.reasons(call.spec)
     out, lse, _ = impl.forward(call)
     grad_out = torch.randn_like(out) if backward else None
     ref_out, ref_lse, ref_grads = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(used), grad_out,
                                              causal=causal, alignment="bottom_right", window=window,
-                                             softcap=softcap, alibi_slopes=slopes)
+                                             softcap=softcap, alibi_slopes=slopes, **extra)
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
     assert_close_lse(lse, ref_lse)
     if not backward:
         return
-    dq, dk, dv = impl.backward(call, out, lse, grad_out, ())
+    dq, dk, dv = impl.backward(call, out, lse, grad_out, ())[:3]
     assert dk.shape == k_cache.shape and dv.shape == v_cache.shape
     assert_close_packed(dq, ref_grads[0], cu_seqlens=cu_of(lens_q).tolist(), name="dq", grad=True)
     for name, got, ref in (("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])):

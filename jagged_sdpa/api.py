@@ -174,12 +174,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
 def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                  window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size=None,
-                 prefix_lens=None) -> plans.Plan:
+                 prefix_lens=None, cache_leftpad=None) -> plans.Plan:
     """The plan of a varlen_attention call: its batch validated (once for the same metadata)."""
     inputs.validate_tensor("q", q)
     options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size)
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if max_k is None and cu_seqlens_k is None and block_table is None and isinstance(k, Tensor) and k.dim() == 4 \
+            and (q.device.type != "cpu" or torch.compiler.is_compiling()):
+        max_k = k.shape[1]  # a dense cache (API.md 12): its length S bounds every row, with no host read
     if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
         refusal = plans.missing_max("max_seqlen_q", max_q, "max_seqlen_k", max_k)
         if refusal is not None:
@@ -187,24 +190,29 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
             max_q = q.shape[0] if max_q is None else max_q
             max_k = (k.shape[0] * (k.shape[1] if block_table is not None else 1)) if max_k is None else max_k
         b = batches.build(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
-                          read=False, prefix_lens=prefix_lens)
+                          read=False, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
         return plans.for_call(b, options, refusal)
     b = batches.cached(cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
-                       read=plans.host_read(q.device, max_q, max_k), prefix_lens=prefix_lens)
+                       read=plans.host_read(q.device, max_q, max_k), prefix_lens=prefix_lens,
+                       cache_leftpad=cache_leftpad)
     return plans.for_call(b, options)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, chunk_size=None, prefix_lens=None, return_lse=False,
-                     block_table=None, seqused_k=None, backend=None):
+                     block_table=None, seqused_k=None, cache_leftpad=None, backend=None):
     """Attention over packed variable-length sequences, with flash-attn's varlen semantics.
 
     Shapes: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), Hq % Hkv == 0;
     cu_seqlens_q/_k int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at
     total_q/total_k (zero-length sequences allowed). Paged KV cache: k/v
     (num_blocks, block_size, Hkv, D/Dv), ``block_table`` int32 (B, max_blocks), ``seqused_k``
-    int32 (B,) and ``cu_seqlens_k=None``.
+    int32 (B,) and ``cu_seqlens_k=None``. Dense KV cache read in place (API.md 12): k/v
+    (B, S, Hkv, D/Dv) with any strides whose last is 1 (transformers' ``(B, Hkv, S, D)`` caches as
+    ``.transpose(1, 2)``), ``cu_seqlens_k=None``, no ``block_table``, ``seqused_k`` int32 (B,) and
+    ``cache_leftpad`` int32 (B,) (default zeros): row b's keys are cache slots
+    ``[cache_leftpad[b], cache_leftpad[b] + seqused_k[b])``; ``max_seqlen_k=None`` means S (no read).
 
     ``causal=True`` is bottom-right aligned: query i of a sequence with Lq queries and Lk keys
     sees keys j <= i + Lk - Lq (for Lq=2, Lk=5: rows ``1 1 1 1 0`` and ``1 1 1 1 1``).
@@ -233,7 +241,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     inputs.validate_not_meta("q", q)  # k/v on another device: the device checks say so
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
-                        prefix_lens)
+                        prefix_lens, cache_leftpad)
     result = plan._run(q, k, v, alibi_slopes, validated=False, sinks=sinks)
     return (result.out, result.lse) if return_lse else result.out
 
@@ -283,8 +291,8 @@ def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     sinks=None, chunk_size=None, prefix_lens=None, return_lse=False, block_table=None,
-                    seqused_k=None, backend=None):
+                    seqused_k=None, cache_leftpad=None, backend=None):
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
-                        prefix_lens)
+                        prefix_lens, cache_leftpad)
     return plan._explain(q, k, v, alibi_slopes, validated=False, sinks=sinks)

@@ -67,6 +67,12 @@ class Batch:
     kv_dense: bool = False              # sdpa's dense key/value: cu_seqlens_k is b * S
     prefix_lens: Optional[Tensor] = None  # int32 (B,), API.md 11; 0 <= P_b <= key length of b
     prefix_host: Optional[tuple] = None   # its values, read with the lengths
+    # A dense cache (API.md 12): k/v (B, S, Hkv, D) read in place, carried as a paged cache of one
+    # block of S slots per sequence (``block_table`` is made here: row b holds [b]), its keys
+    # starting at slot ``cache_leftpad[b]`` (None: 0).
+    dense_cache: bool = False
+    cache_leftpad: Optional[Tensor] = None
+    leftpad_host: Optional[tuple] = None
     _bound: set = field(default_factory=set, repr=False)
     plans: dict = field(default_factory=dict, repr=False)   # Options -> the Plan of calls over this batch
 
@@ -85,12 +91,14 @@ class Batch:
 
     def bind(self, total_q: int, k: Tensor) -> None:
         """Check the batch against a layer's packed q length and its k (packed keys, or the
-        paged cache): on the host when the lengths were read, else as device-side asserts. Once
-        per geometry; nothing while tracing (the operator checks when it runs)."""
+        paged or dense cache): on the host when the lengths were read, else as device-side asserts.
+        Once per geometry, except while a CUDA graph is captured: its replays must run the checks
+        on what the metadata tensors hold then. Nothing while tracing (the operator checks when it
+        runs)."""
         if torch.compiler.is_compiling():
             return
         geometry = (total_q, k.shape[0], k.shape[1] if self.paged else 0)
-        if geometry in self._bound:
+        if geometry in self._bound and (self.lengths_known or not _capturing(k)):
             return
         if self.lengths_known:
             self._check_host(total_q, k)
@@ -105,6 +113,12 @@ class Batch:
                 _check_end(self.names.cu_k, self.cu_k_host, k.shape[0])
             return
         num_blocks, block_size = k.shape[0], k.shape[1]
+        if self.dense_cache:  # one block per sequence, made here: only the ranges to check
+            if self.leftpad_host is None:
+                layout.lengths_stats("seqused_k", self.seqused_host, [block_size] * self.size, None)
+            else:
+                inputs.validate_leftpad_values(self.leftpad_host, self.seqused_host, block_size)
+            return
         width = self.block_table.shape[1]  # (prefix_lens were checked against seqused_k in ``build``)
         layout.lengths_stats("seqused_k", self.seqused_host, [width * block_size] * self.size, None)
         inputs.validate_block_ids(self.table_host, self.seqused_host, block_size, num_blocks)
@@ -112,7 +126,16 @@ class Batch:
     def _queue_device_checks(self, total_q: int, k: Tensor) -> None:
         names, checks = self.names, DeviceChecks()
         checks.add_cu(names.cu_q, self.cu_seqlens_q, total_q, self.max_seqlen_q, names.max_q)
-        if self.paged:
+        if self.dense_cache:
+            S = k.shape[1]
+            if self.cache_leftpad is None:
+                checks.add_lengths("seqused_k", self.seqused_k, S, self.max_seqlen_k)
+            else:  # 0 <= cache_leftpad[b] and seqused_k[b] <= S - cache_leftpad[b]
+                checks.add_lengths("cache_leftpad", self.cache_leftpad, S, S)
+                room = (S - self.cache_leftpad.to(torch.int64)).cumsum(0)
+                checks.add_lengths("seqused_k", self.seqused_k, torch.cat([room.new_zeros(1), room]),
+                                   self.max_seqlen_k)
+        elif self.paged:
             block_size = k.shape[1]
             checks.add_lengths("seqused_k", self.seqused_k, self.block_table.shape[1] * block_size,
                                self.max_seqlen_k)
@@ -132,6 +155,10 @@ class Batch:
         checks.queue()
 
 
+def _capturing(k: Tensor) -> bool:
+    return k.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _check_end(name: str, host: tuple, total: int) -> None:
     if host[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {host[-1]}")
@@ -140,20 +167,24 @@ def _check_end(name: str, host: tuple, total: int) -> None:
 def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
           block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
           names: Names = VARLEN_NAMES, kv_dense: bool = False, host: Optional[list] = None,
-          prefix_lens: Optional[Tensor] = None, copy: bool = False) -> Batch:
+          prefix_lens: Optional[Tensor] = None, copy: bool = False, cache_leftpad: Optional[Tensor] = None
+          ) -> Batch:
     """Validate a batch's metadata (``read``: on the host now; else its checks wait for ``bind``).
     ``host``: what the caller read of the same tensors already (``layout.read_host``'s lists).
 
     Raises the ValueError of the first bad content, naming the argument as ``names`` spells it.
     Without a read, ``max_q``/``max_k`` must be given (they bound every length). ``kv_dense``:
     sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here).
+    Neither ``cu_k`` nor ``block_table`` (and not ``kv_dense``): a dense cache (API.md 12), its
+    one-block-per-sequence table made here; ``cache_leftpad`` read with the lengths.
     ``prefix_lens`` (API.md 11): read with the lengths, each within its sequence's key length.
     ``copy``: the batch keeps (and the kernels read) copies of the metadata, taken before it is
     validated: a batch found again for tensors changed without a torch op (through ``.numpy()``,
     say, which bumps no version) still holds exactly what was validated."""
     if names is VARLEN_NAMES:
-        inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k)
-    paged = block_table is not None
+        inputs.validate_varlen_metadata(cu_q, cu_k, block_table, seqused_k, cache_leftpad)
+    dense_cache = block_table is None and cu_k is None and not kv_dense
+    paged = block_table is not None or dense_cache
     size = cu_q.shape[0] - 1
     inputs.validate_prefix_lens(prefix_lens, size, cu_q.device)
     # int32 for the kernels (NJT offsets are int64: one cast, which is the copy too), shared by q and
@@ -162,26 +193,31 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
     cu_q = cu_q.to(torch.int32, copy=copy)
     cu_k = cu_q if shared else None if cu_k is None else cu_k.to(torch.int32, copy=copy)
     if copy:
-        block_table, seqused_k, prefix_lens = (None if t is None else t.clone()
-                                               for t in (block_table, seqused_k, prefix_lens))
+        block_table, seqused_k, prefix_lens, cache_leftpad = (
+            None if t is None else t.clone() for t in (block_table, seqused_k, prefix_lens, cache_leftpad))
+    if dense_cache:
+        block_table = torch.arange(size, device=cu_q.device, dtype=torch.int32).view(size, 1)
     if kv_dense:
         cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
     if not read:
         empty_k = max_k == 0 and size > 0 if kv_dense else True
         return Batch(size, cu_q, cu_k, seqused_k, block_table, max_q, max_k, True, empty_k,
-                     cu_k is cu_q and seqused_k is None, names, kv_dense=kv_dense, prefix_lens=prefix_lens)
-    to_read = [cu_q] + ([block_table, seqused_k] if paged else [] if kv_dense else
-                        [cu_k] + ([seqused_k] if seqused_k is not None else []))
-    host = layout.read_host(*to_read, *([] if prefix_lens is None else [prefix_lens])) if host is None else \
-        host + ([] if prefix_lens is None else layout.read_host(prefix_lens))
+                     cu_k is cu_q and seqused_k is None, names, kv_dense=kv_dense, prefix_lens=prefix_lens,
+                     dense_cache=dense_cache, cache_leftpad=cache_leftpad)
+    to_read = [cu_q] + ([seqused_k] if dense_cache else [block_table, seqused_k] if paged else
+                        [] if kv_dense else [cu_k] + ([seqused_k] if seqused_k is not None else []))
+    extra = [t for t in (prefix_lens, cache_leftpad) if t is not None]
+    host = layout.read_host(*to_read, *extra) if host is None else host + (layout.read_host(*extra) if extra else [])
     prefix_host = None if prefix_lens is None else tuple(host[len(to_read)])
+    leftpad_host = None if cache_leftpad is None else tuple(host[-1])
     stats_q = layout.seqlen_stats(names.cu_q, host[0], None, max_q, names.max_q)
     table_host = used = None
     if paged:
-        used = tuple(host[2])
+        used = tuple(host[1 if dense_cache else 2])
         stats_k = layout.lengths_stats("seqused_k", used, None, max_k)
         width = block_table.shape[1]
-        table_host = [host[1][b * width:(b + 1) * width] for b in range(size)]
+        table_host = [[b] for b in range(size)] if dense_cache else \
+            [host[1][b * width:(b + 1) * width] for b in range(size)]
         cu_k_host = None
     elif kv_dense:
         stats_k = layout.SeqlenStats(tuple(b * max_k for b in range(size + 1)), max_k, max_k == 0 and size > 0)
@@ -202,7 +238,7 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
         inputs.validate_prefix_values(prefix_host, used if used is not None else layout.host_lengths(cu_k_host))
     return Batch(size, cu_q, cu_k, seqused_k, block_table, stats_q.max_seqlen, stats_k.max_seqlen,
                  stats_q.has_empty, stats_k.has_empty, equal, names, stats_q.cu_host, cu_k_host, used, table_host,
-                 kv_dense, prefix_lens, prefix_host)
+                 kv_dense, prefix_lens, prefix_host, dense_cache, cache_leftpad, leftpad_host)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,11 +258,17 @@ def _versions(tensors: tuple) -> Optional[tuple]:
 
 def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Optional[int], *,
            block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, read: bool,
-           names: Names = VARLEN_NAMES, kv_dense: bool = False, prefix_lens: Optional[Tensor] = None) -> Batch:
-    """``build``, or the Batch an earlier call built over the very same, unchanged tensors."""
-    tensors = tuple(t for t in (cu_q, cu_k, block_table, seqused_k, prefix_lens) if t is not None)
+           names: Names = VARLEN_NAMES, kv_dense: bool = False, prefix_lens: Optional[Tensor] = None,
+           cache_leftpad: Optional[Tensor] = None) -> Batch:
+    """``build``, or the Batch an earlier call built over the very same, unchanged tensors.
+
+    A batch read on the host keeps copies of what it validated (the kernels read those). One that
+    reads nothing (an accelerator call given its max lengths) keeps the caller's tensors: its
+    checks run on the device against them, and a CUDA graph captured over the call reads what the
+    caller writes into them before each replay."""
+    tensors = tuple(t for t in (cu_q, cu_k, block_table, seqused_k, prefix_lens, cache_leftpad) if t is not None)
     key = (tuple(map(id, tensors)), max_q, max_k, read, names, kv_dense, block_table is not None,
-           seqused_k is not None, prefix_lens is not None)
+           seqused_k is not None, prefix_lens is not None, cache_leftpad is not None)
     versions = _versions(tensors)
     hit = _CACHE.get(key)
     if hit is not None:
@@ -237,7 +279,7 @@ def cached(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Op
             if versions is None and read and _same_contents(batch, tensors):
                 return batch
     batch = build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, read=read, names=names,
-                  kv_dense=kv_dense, prefix_lens=prefix_lens, copy=True)
+                  kv_dense=kv_dense, prefix_lens=prefix_lens, copy=read, cache_leftpad=cache_leftpad)
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, batch)
@@ -248,7 +290,9 @@ def _same_contents(batch: Batch, tensors: tuple) -> bool:
     """Whether tensors without a version counter still hold what ``batch`` read from them."""
     now = layout.read_host(*tensors)
     held = [batch.cu_q_host]
-    if batch.paged:
+    if batch.dense_cache:
+        held.append(batch.seqused_host)
+    elif batch.paged:
         held += [[x for row in batch.table_host for x in row], batch.seqused_host]
     elif not batch.kv_dense:  # a dense key/value's cu_seqlens_k is made, not passed
         held.append(batch.cu_k_host)
@@ -256,6 +300,8 @@ def _same_contents(batch: Batch, tensors: tuple) -> bool:
             held.append(batch.seqused_host)
     if batch.prefix_lens is not None:
         held.append(batch.prefix_host)
+    if batch.cache_leftpad is not None:
+        held.append(batch.leftpad_host)
     return all(tuple(a) == tuple(b) for a, b in zip(now, held))
 
 

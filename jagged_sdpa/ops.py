@@ -38,10 +38,11 @@ from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
 
-# prefix_lens and sinks (API.md 11) come last, with defaults: callers written before them still fit.
+# prefix_lens, sinks (API.md 11) and cache_leftpad (API.md 12) come last, with defaults: callers
+# written before them still fit. A dense cache passes no block_table (its table is made from B).
 _CALL_ARGS = ("Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, "
               "Tensor? alibi_slopes, Tensor? dropout_key, str backend, str options, SymInt max_seqlen_q, "
-              "SymInt max_seqlen_k, Tensor? prefix_lens=None, Tensor? sinks=None")
+              "SymInt max_seqlen_k, Tensor? prefix_lens=None, Tensor? sinks=None, Tensor? cache_leftpad=None")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor[])")
 _LIB.define(f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             f"Tensor[] state, {_CALL_ARGS}) -> Tensor[]")
@@ -51,7 +52,7 @@ _LIB.define("paged_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_t
 # The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
 _OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
                   "window", "softcap", "alibi_grad", "dropout_p", "scale", "needs_grad", "return_lse",
-                  "equal_lengths", "chunk_size", "sinks_grad")
+                  "equal_lengths", "chunk_size", "sinks_grad", "dense_cache")
 
 
 def options_of(spec: AttnSpec) -> str:
@@ -77,9 +78,11 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
 
 
 def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Optional[Tensor],
-                  seqused_k: Optional[Tensor]) -> dict:
-    """The AttnSpec fields of a packed or paged call that its tensors' metadata decide."""
-    paged = block_table is not None
+                  seqused_k: Optional[Tensor], dense_cache: bool = False,
+                  cache_leftpad: Optional[Tensor] = None) -> dict:
+    """The AttnSpec fields of a packed, paged or dense-cache call that its tensors' metadata decide
+    (a dense cache (B, S, Hkv, D) is a paged cache of B blocks of S slots)."""
+    paged = block_table is not None or dense_cache
     return dict(
         device_type=q.device.type,
         capability=device_capability(q.device),
@@ -95,20 +98,24 @@ def tensor_fields(q: Tensor, k: Tensor, v: Tensor, batch: int, block_table: Opti
         paged=paged,
         block_size=k.shape[1] if paged else 0,
         seqused_k=seqused_k is not None,
+        dense_cache=dense_cache,
+        leftpad=cache_leftpad is not None,
     )
 
 
 def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
-                   prefix_lens=None, sinks=None) -> AttnSpec:
+                   prefix_lens=None, sinks=None, cache_leftpad=None) -> AttnSpec:
     """The spec of an operator call, from its tensors' metadata and ``options``."""
+    parsed = _parse_options(options)
     return AttnSpec(
-        **tensor_fields(q, k, v, cu_seqlens_q.shape[0] - 1, block_table, seqused_k),
+        **tensor_fields(q, k, v, cu_seqlens_q.shape[0] - 1, block_table, seqused_k, parsed["dense_cache"],
+                        cache_leftpad),
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
         prefix=prefix_lens is not None,
         sinks=sinks is not None,
-        **_parse_options(options),
+        **{f: x for f, x in parsed.items() if f != "dense_cache"},
     )
 
 
@@ -124,33 +131,35 @@ def split_grads(spec: AttnSpec, grads) -> tuple:
 
 
 def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k, prefix_lens=None, sinks=None) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None) -> PackedCall:
     """The call the operator runs, its contents checked: read on the CPU (found again when the
     wrapper read the same tensors), else queued as device-side asserts."""
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_q, max_k, prefix_lens, sinks)
+                    max_q, max_k, prefix_lens, sinks, cache_leftpad)
     spec = call.spec
     b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
                        block_table=block_table, seqused_k=seqused_k, read=q.device.type == "cpu",
                        names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
-                       kv_dense=spec.kv_dense, prefix_lens=prefix_lens)
+                       kv_dense=spec.kv_dense, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
     b.bind(q.shape[0], k)
-    # The kernels read the batch's own copies of the metadata: exactly what was checked.
+    # The kernels read the batch's metadata: copies of what was read and checked on the host, else
+    # the caller's tensors (checked on the device).
     own = dict(cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k if spec.kv_dense else b.cu_seqlens_k,
-               seqused_k=b.seqused_k, block_table=b.block_table, prefix_lens=b.prefix_lens)
+               seqused_k=b.seqused_k, block_table=b.block_table, prefix_lens=b.prefix_lens,
+               cache_leftpad=b.cache_leftpad)
     if not b.lengths_known:
         return call.replace(**own)
     return call.replace(**own, cu_q_host=b.cu_q_host, cu_k_host=b.cu_k_host, seqused_k_host=b.seqused_host,
-                        prefix_host=b.prefix_host, spec=spec.replace(lengths_known=True))
+                        prefix_host=b.prefix_host, leftpad_host=b.leftpad_host, spec=spec.replace(lengths_known=True))
 
 
 def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k, prefix_lens=None, sinks=None) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None) -> PackedCall:
     """The call from the operator's arguments alone (contents not checked)."""
     spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
-                          prefix_lens, sinks)
+                          prefix_lens, sinks, cache_leftpad)
     return PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks)
+                      dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks, cache_leftpad=cache_leftpad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,16 +205,17 @@ def _forward(impl, call: PackedCall) -> tuple:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
-               options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None):
+               options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None):
     impl = _impl_of(backend)  # a refused call is refused before its contents are read
     return _forward(impl, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                      dropout_key, options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks))
+                                      dropout_key, options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks,
+                                      cache_leftpad))
 
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None):
+                    backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None):
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_seqlen_q, max_seqlen_k, prefix_lens, sinks)
+                    max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
     state = () if backend.startswith(_REFUSED) else IMPLS[Backend(backend)].fake_state(call)
@@ -222,9 +232,9 @@ torch.library.register_fake("jagged_sdpa::attention", _attention_fake, lib=_LIB)
 
 def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                         alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None,
-                        sinks=None):
+                        sinks=None, cache_leftpad=None):
     call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks)
+                    options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad)
     impl = _impl_of(backend)
     grads = impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
     return list(grads)
@@ -232,7 +242,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seq
 
 def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k,
                              block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k,
-                             prefix_lens=None, sinks=None):
+                             prefix_lens=None, sinks=None, cache_leftpad=None):
     grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
     parsed = _parse_options(options)
     if parsed["alibi_grad"]:
@@ -247,25 +257,25 @@ torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backwa
 
 def _setup_context(ctx, inputs, output):
     out, lse, state = output
-    prefix_lens, sinks = (tuple(inputs[13:15]) + (None, None))[:2]
-    ctx.save_for_backward(*inputs[:9], prefix_lens, sinks, out, lse, *state)
+    prefix_lens, sinks, cache_leftpad = (tuple(inputs[13:16]) + (None, None, None))[:3]
+    ctx.save_for_backward(*inputs[:9], prefix_lens, sinks, cache_leftpad, out, lse, *state)
     ctx.scalars = inputs[9:13]   # backend, options, max_seqlen_q, max_seqlen_k
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_state):
-    (q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, prefix_lens, sinks, out, lse,
+    (q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, prefix_lens, sinks, cache_leftpad, out, lse,
      *state) = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, seqused_k,
                                                      block_table, slopes, dropout_key, *ctx.scalars, prefix_lens,
-                                                     sinks)
+                                                     sinks, cache_leftpad)
     parsed = _parse_options(ctx.scalars[1])
     dslopes = grads[3] if parsed["alibi_grad"] else None
     dsinks = grads[3 + parsed["alibi_grad"]] if parsed["sinks_grad"] else None
     result = (grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None, None,
-              dsinks)
+              dsinks, None)
     # The dispatcher drops trailing arguments equal to their defaults (prefix_lens, sinks = None)
     # from the inputs it matches this tuple against.
     return result[:len(ctx.needs_input_grad)]
@@ -366,9 +376,10 @@ def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput
         result = IMPLS[backend].forward(call)  # what ``_forward`` does, without the lse it must return
         return result if spec.return_lse or result.lse is None else AttnOutput(result.out, None)
     compiling = torch.compiler.is_compiling()
-    args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
+    args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
+            None if spec.dense_cache else call.block_table,
             call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
-            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks)
+            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks, call.cache_leftpad)
     if spec.needs_grad or compiling:
         out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
     else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)

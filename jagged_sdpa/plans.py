@@ -136,14 +136,15 @@ class Plan:
                           b.block_table, b.cu_q_host, b.cu_k_host, b.seqused_host,
                           keyed_dropout.draw_key() if spec.dropout_p else None, self._refusal,
                           b.prefix_lens if spec.prefix else None, b.prefix_host if spec.prefix else None,
-                          sinks if spec.sinks else None)
+                          sinks if spec.sinks else None, b.cache_leftpad, b.leftpad_host)
         return call, prepared
 
     def _prepare(self, q, k, v, alibi_slopes, validated: bool, choosing: bool = True, sinks=None) -> _Prepared:
         """A kind's first run: check the tensors against the plan, build the spec, select."""
         b, o = self._batch, self._options
         if not validated:
-            inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, b.block_table, b.seqused_k)
+            inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k,
+                                           None if b.dense_cache else b.block_table, b.seqused_k, b.cache_leftpad)
         alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
         has_sinks = inputs.validate_sinks(sinks, q.shape[1], q.device)
         if choosing or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
@@ -159,28 +160,35 @@ class Plan:
 
     def update(self, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
                max_seqlen_k: Optional[int] = None, *, block_table: Optional[Tensor] = None,
-               seqused_k: Optional[Tensor] = None, prefix_lens: Optional[Tensor] = None) -> None:
-        """Point the plan at a new batch of the same size, validated like ``plan``; the plan's own
-        buffers are refilled in place (a captured CUDA graph reads them)."""
+               seqused_k: Optional[Tensor] = None, prefix_lens: Optional[Tensor] = None,
+               cache_leftpad: Optional[Tensor] = None) -> None:
+        """Point the plan at a new batch of the same form, validated like ``plan``. The plan's own
+        buffers are refilled in place, so a CUDA graph captured over ``run`` reads the new batch
+        (and runs its device checks on it) when replayed."""
         old = self._batch
         new = _validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
-                               own=False, prefix_lens=prefix_lens)
-        like = lambda b: (f"B={b.size}" + (f", block_table of shape {tuple(b.block_table.shape)}" if b.paged else "")
+                               own=False, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
+        like = lambda b: (f"B={b.size}" + (", a dense cache" if b.dense_cache else
+                                           f", block_table of shape {tuple(b.block_table.shape)}" if b.paged else "")
                           + (", with seqused_k" if b.seqused_k is not None else ", without seqused_k")
-                          + (", with prefix_lens" if b.prefix_lens is not None else ", without prefix_lens"))
+                          + (", with prefix_lens" if b.prefix_lens is not None else ", without prefix_lens")
+                          + (", with cache_leftpad" if b.cache_leftpad is not None else ""))
         if like(new) != like(old):
             raise ValueError(f"update needs a batch like the plan's ({like(old)}), got {like(new)}")
+        shared_old = old.cu_seqlens_k is old.cu_seqlens_q
+        if shared_old and new.cu_seqlens_k is not None and new.cu_seqlens_k is not new.cu_seqlens_q:
+            # The kernels (and a captured graph) read the keys' offsets from the queries' buffer.
+            raise ValueError("update: this plan was made with one tensor for cu_seqlens_q and cu_seqlens_k, so "
+                             "its keys' offsets live in the queries' buffer; pass one tensor for both, or make the "
+                             "plan with two tensors")
         cu_q = _refill(old.cu_seqlens_q, new.cu_seqlens_q)
-        if new.cu_seqlens_k is None or new.cu_seqlens_k is new.cu_seqlens_q:
-            cu_k = None if new.cu_seqlens_k is None else cu_q
-        elif old.cu_seqlens_k is old.cu_seqlens_q:
-            cu_k = new.cu_seqlens_k.clone()   # shared before, not now: a buffer of its own
-        else:
-            cu_k = _refill(old.cu_seqlens_k, new.cu_seqlens_k)
+        cu_k = cu_q if shared_old else _refill(old.cu_seqlens_k, new.cu_seqlens_k)
         self._batch = dataclasses.replace(new, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          block_table=_refill(old.block_table, new.block_table),
+                                          block_table=old.block_table if new.dense_cache else
+                                          _refill(old.block_table, new.block_table),
                                           seqused_k=_refill(old.seqused_k, new.seqused_k),
-                                          prefix_lens=_refill(old.prefix_lens, new.prefix_lens))
+                                          prefix_lens=_refill(old.prefix_lens, new.prefix_lens),
+                                          cache_leftpad=_refill(old.cache_leftpad, new.cache_leftpad))
         self._kinds.clear()
 
     @property
@@ -220,7 +228,7 @@ def spec_of(b: batches.Batch, o: opts.Options, q: Tensor, k: Tensor, v: Tensor, 
     calls: a window side past every key, a chunk_size covering every key and row
     (``inputs.effective_chunk``), and prefix_lens that are all 0 or whose rows see every key anyway
     (no causal, window or chunk mask to widen)."""
-    fields = ops.tensor_fields(q, k, v, b.size, b.block_table, b.seqused_k)
+    fields = ops.tensor_fields(q, k, v, b.size, b.block_table, b.seqused_k, b.dense_cache, b.cache_leftpad)
     equal = b.equal_lengths or (b.kv_dense and b.max_seqlen_q == b.max_seqlen_k
                                 and q.shape[0] == b.size * b.max_seqlen_k)
     window = inputs.effective_window(o.window, b.max_seqlen_q, b.max_seqlen_k)
@@ -284,27 +292,30 @@ def missing_max(name_q: str, max_q: Optional[int], name_k: str, max_k: Optional[
 
 
 def _validated_batch(cu_q, cu_k, max_q, max_k, block_table, seqused_k, *, own: bool = True,
-                     prefix_lens: Optional[Tensor] = None) -> batches.Batch:
+                     prefix_lens: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None) -> batches.Batch:
     """A plan's batch: metadata checked, copied (``own``: the caller's tensors may change later),
     read on the host unless the device is an accelerator and both max lengths are given."""
     inputs.validate_tensor("cu_seqlens_q", cu_q)  # its device decides the read; ``build`` checks the rest
     max_q = inputs.validate_max_seqlen("max_seqlen_q", max_q)
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_k)
     return batches.build(cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
-                         read=host_read(cu_q.device, max_q, max_k), prefix_lens=prefix_lens, copy=own)
+                         read=host_read(cu_q.device, max_q, max_k), prefix_lens=prefix_lens, copy=own,
+                         cache_leftpad=cache_leftpad)
 
 
 def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int] = None,
          max_seqlen_k: Optional[int] = None, *, dropout_p=0.0, softmax_scale=None, causal=False,
          window_size=(-1, -1), softcap=0.0, chunk_size=None, prefix_lens: Optional[Tensor] = None,
          return_lse=False, block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-         backend=None) -> Plan:
+         cache_leftpad: Optional[Tensor] = None, backend=None) -> Plan:
     """Validate a batch once, for ``run`` in every layer (API.md section 10).
 
     Arguments mean what they mean in ``varlen_attention``; bad metadata or options raise the same
     errors. The plan keeps copies of ``cu_seqlens_*``, ``block_table``, ``seqused_k`` and
     ``prefix_lens``: later changes to the caller's tensors do not reach it (``update`` points it at a
-    new batch). ``chunk_size``, ``prefix_lens`` and ``run``'s ``sinks``: API.md section 11.
+    new batch). ``chunk_size``, ``prefix_lens`` and ``run``'s ``sinks``: API.md section 11. A dense
+    cache (``cu_seqlens_k=None`` without ``block_table``, with ``seqused_k`` and ``cache_leftpad``):
+    API.md section 12; the plan cannot see the cache length S, so ``run`` refuses a range past it.
 
     Example::
 
@@ -314,7 +325,7 @@ def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Opt
     """
     options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, return_lse, backend, chunk_size)
     return Plan(_validated_batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
-                                 prefix_lens=prefix_lens), options)
+                                 prefix_lens=prefix_lens, cache_leftpad=cache_leftpad), options)
 
 
 def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = None,

@@ -60,7 +60,7 @@ VARLEN_CASES = {
     "cu-q-not-tensor": (dict(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
     "cu-q-2d": (dict(cu_seqlens_q=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "cu_seqlens_q must be 1-D"),
     "cu-k-wrong-length": (dict(cu_seqlens_k=cu_of([4, 3, 3])), ValueError, "cu_seqlens_k must have 3 entries"),
-    "cu-k-missing": (dict(cu_seqlens_k=None), ValueError, "cu_seqlens_k is required"),
+    "cu-k-missing": (dict(cu_seqlens_k=None), ValueError, "pass cu_seqlens_k for packed keys"),
     "cu-q-not-from-0": (dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q must start at 0"),
     "cu-q-decreasing": (dict(cu_seqlens_q=torch.tensor([0, 9, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
     "cu-k-short-end": (dict(cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "cu_seqlens_k must end at the packed length 10"),

@@ -261,13 +261,13 @@ def attend_block_backward(spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor, grad_
                       dv.permute(1, 0, 2), dslopes, dsinks)
 
 
-KeyRows = Union[slice, Tensor]
+KeyRows = Union[slice, tuple, Tensor]
 
 
 class Sequence(NamedTuple):
-    """Sequence b's query rows [q_start, q_start + len_q), its keys/values (a view of packed k/v, or
-    gathered from the paged cache) and where they live: a slice of packed k/v, or the flat cache
-    slots (LongTensor) of a paged cache."""
+    """Sequence b's query rows [q_start, q_start + len_q), its keys/values (a view of packed k/v or
+    of a dense cache's row, or gathered from the paged cache) and where they live: a slice of packed
+    k/v, (b, slice) of a dense cache, or the flat cache slots (LongTensor) of a paged cache."""
 
     b: int
     q_start: int
@@ -296,6 +296,15 @@ def sequences(call: PackedCall) -> Iterator[Sequence]:
         used = call.seqused_k_host
         if used is None:
             used = tuple(call.seqused_k.tolist())
+        if call.spec.dense_cache:  # views of each row's range: the cache is never copied
+            starts = call.leftpad_host
+            if starts is None:
+                starts = (0,) * len(used) if call.cache_leftpad is None else tuple(call.cache_leftpad.tolist())
+            for b, ((q_start, len_q), start, length) in enumerate(zip(q_ranges, starts, used)):
+                if len_q:
+                    keys = slice(start, start + length)
+                    yield Sequence(b, q_start, len_q, call.k[b, keys], call.v[b, keys], (b, keys), prefixes[b])
+            return
         k_flat, v_flat = call.k.flatten(0, 1), call.v.flatten(0, 1)
         for b, ((q_start, len_q), length) in enumerate(zip(q_ranges, used)):
             if len_q:
@@ -311,7 +320,7 @@ def sequences(call: PackedCall) -> Iterator[Sequence]:
 
 def _add_rows(acc: Tensor, rows: KeyRows, x: Tensor) -> None:
     """acc[rows] += x; index_add_ for cache slots, which sums rows that repeat, in order."""
-    if isinstance(rows, slice):
+    if isinstance(rows, (slice, tuple)):
         acc[rows] += x
     else:
         acc.index_add_(0, rows, x)
@@ -323,6 +332,7 @@ class MathBackend(BackendImpl):
         devices=frozenset({"cpu", "cuda", "xpu", "mps", "hpu"}),
         dtypes=ALL_FLOAT_DTYPES,
         paged=True,
+        dense_cache=True,
         alibi_slopes_grad=True,  # its backward differentiates the bias -slope * |i' - j|
         sinks=True,
         sinks_grad=True,
@@ -361,7 +371,8 @@ class MathBackend(BackendImpl):
         # dK/dV in the compute dtype, rounded once at the end; cache-shaped when paged.
         dk = torch.zeros(call.k.shape, dtype=ct, device=device)
         dv = torch.zeros(call.v.shape, dtype=ct, device=device)
-        dk_rows, dv_rows = (dk.flatten(0, 1), dv.flatten(0, 1)) if spec.paged else (dk, dv)
+        flat = spec.paged and not spec.dense_cache
+        dk_rows, dv_rows = (dk.flatten(0, 1), dv.flatten(0, 1)) if flat else (dk, dv)
         dslopes = dsinks = None
         if spec.alibi_grad:
             dslopes = torch.zeros(call.alibi_slopes.shape, dtype=ct, device=device)

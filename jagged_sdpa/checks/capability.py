@@ -50,13 +50,13 @@ class Capabilities:
     head_dim_v_differs: bool = True
     empty_sequences: bool = True
     paged: bool = False
+    dense_cache: bool = False         # a dense (B, S, Hkv, D) cache read in place (API.md 12)
     seqused_k: bool = True
     # API.md section 11. Off unless declared: a backend applies these only once it says so.
     sinks: bool = False               # per-head sink logits (forward, and backward with ``backward``)
     sinks_grad: bool = False          # differentiates the sinks themselves
     chunked: bool = False             # chunk_size
     prefix: bool = False              # prefix_lens
-    dense_cache: bool = False         # a dense (B, S, Hkv, D) KV cache read in place (API.md 12)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -121,7 +121,10 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
     if (spec.has_empty_q or spec.has_empty_k) and not caps.empty_sequences:
         known = "" if spec.lengths_known else " (lengths not read: assumed possible)"
         yield f"zero-length sequences not supported{known}"
-    if spec.paged and not caps.paged:
+    if spec.dense_cache:
+        if not caps.dense_cache:
+            yield "dense KV cache read in place (seqused_k/cache_leftpad, API.md 12) not supported"
+    elif spec.paged and not caps.paged:
         yield "paged KV cache (block_table) not supported"
     if spec.seqused_k and not caps.seqused_k:
         yield "seqused_k not supported"
@@ -133,8 +136,6 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield f"chunk_size {spec.chunk_size} not supported (chunked attention, API.md 11)"
     if spec.prefix and not caps.prefix:
         yield "prefix_lens not supported (prefix-LM, API.md 11)"
-    if spec.dense_cache and not caps.dense_cache:
-        yield "dense KV cache read in place (cache_leftpad/seqused_k, API.md 12) not supported"
 
 
 def capability_reasons(spec: AttnSpec, caps: Capabilities) -> tuple[Reason, ...]:

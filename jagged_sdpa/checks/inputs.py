@@ -333,7 +333,7 @@ def validate_sdpa_tensors(query, key, value, enable_gqa) -> tuple[tuple, tuple, 
 # varlen
 
 
-def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> None:
+def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad=None) -> None:
     """Kinds, dtypes, devices and shapes of varlen_attention's tensors (contents: layout.py)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         validate_tensor(name, t)
@@ -341,8 +341,10 @@ def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, se
             raise TypeError(f"{name} must be a dense packed tensor, got a nested tensor (use jagged_sdpa.sdpa for NJTs)")
     validate_float_dtypes(("q", "k", "v"), (q, k, v))
     paged = block_table is not None
-    kv_dims = 4 if paged else 3
-    form = "(num_blocks, block_size, Hkv, D)" if paged else "(total_k, Hkv, D)"
+    dense_cache = not paged and cu_seqlens_k is None
+    kv_dims = 4 if paged or dense_cache else 3
+    form = ("(num_blocks, block_size, Hkv, D)" if paged else
+            "(B, S, Hkv, D) (a dense cache: cu_seqlens_k is None)" if dense_cache else "(total_k, Hkv, D)")
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D (total_q, Hq, D), got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
@@ -356,17 +358,23 @@ def validate_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, se
     if q.shape[-1] < 1 or v.shape[-1] < 1:
         raise ValueError(f"head dims must be >= 1, got D={q.shape[-1]}, Dv={v.shape[-1]}")
     validate_same_device(("q", "k", "v"), (q, k, v))
-    validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+    validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table),
-                    ("seqused_k", seqused_k)):
+                    ("seqused_k", seqused_k), ("cache_leftpad", cache_leftpad)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if paged and k.shape[1] < 1:
         raise ValueError(f"k_cache block_size must be >= 1, got {k.shape[1]}")
+    if dense_cache and k.shape[0] != cu_seqlens_q.shape[0] - 1:
+        raise ValueError(f"a dense cache k must have one row per sequence: shape (B, S, Hkv, D) with "
+                         f"B = {cu_seqlens_q.shape[0] - 1}, got {tuple(k.shape)}")
 
 
-def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> None:
-    """Kinds, dtypes, shapes and devices of a batch's metadata (``plan`` has no q to compare)."""
+def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad=None) -> None:
+    """Kinds, dtypes, shapes and devices of a batch's metadata (``plan`` has no q to compare).
+
+    Three forms of keys: packed (``cu_seqlens_k``), a paged cache (``block_table``) and a dense
+    cache (neither: API.md 12), the last two with ``seqused_k``."""
     validate_tensor("cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.dtype != torch.int32:
         raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
@@ -386,18 +394,38 @@ def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
             raise ValueError(f"block_table is on {block_table.device} but cu_seqlens_q is on {device}")
         if seqused_k is None:
             raise ValueError("seqused_k is required with block_table (the number of valid keys per sequence)")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad must be None with a block_table: it offsets the rows of a dense cache "
+                             "(cu_seqlens_k=None, no block_table)")
+    elif cu_seqlens_k is None:
+        if seqused_k is None:
+            raise ValueError("cu_seqlens_k is None and there is no block_table: k/v are then a dense cache "
+                             "(B, S, Hkv, D) and seqused_k (int32 (B,): the keys each row holds) is required; "
+                             "pass cu_seqlens_k for packed keys")
     else:
-        if cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_k is required unless block_table is given")
         validate_tensor("cu_seqlens_k", cu_seqlens_k)
         if cu_seqlens_k.dtype != torch.int32:
             raise TypeError(f"cu_seqlens_k must be int32, got {cu_seqlens_k.dtype}")
         validate_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device, "B + 1, like cu_seqlens_q")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad must be None with cu_seqlens_k: it offsets the rows of a dense cache "
+                             "(cu_seqlens_k=None, no block_table)")
     if seqused_k is not None:
         validate_tensor("seqused_k", seqused_k)
         if seqused_k.dtype != torch.int32:
             raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
         validate_int32_vector("seqused_k", seqused_k, batch, device, "B")
+    if cache_leftpad is not None:
+        validate_int32_vector("cache_leftpad", cache_leftpad, batch, device, "B: the first cache slot of each row")
+
+
+def validate_leftpad_values(leftpad_host, used, capacity: int) -> None:
+    """0 <= cache_leftpad[b] and cache_leftpad[b] + seqused_k[b] <= S (values read on the host)."""
+    for b, (p, n) in enumerate(zip(leftpad_host, used)):
+        if p < 0:
+            raise ValueError(f"cache_leftpad[{b}] = {p} must be >= 0")
+        if p + n > capacity:
+            raise ValueError(f"cache_leftpad[{b}] + seqused_k[{b}] = {p} + {n} exceeds the cache length S = {capacity}")
 
 
 def validate_block_ids(block_table_host: list[list[int]], used: tuple[int, ...], block_size: int, num_blocks: int) -> None:

@@ -71,6 +71,7 @@ names with "flash".
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
@@ -130,6 +131,13 @@ class _Unpad:
     prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (API.md 11)
     packed: bool = False  # eager separates packed sequences (position_ids restarting, no cache)
     checks: tuple = ()  # the ints read with the lengths (see _unpad_from_validity)
+    # The cache read in place (API.md 12): each row's valid keys are the slots
+    # [cache_leftpad[b], cache_leftpad[b] + seqused_k[b]); usable when there are no holes and every
+    # query row is real (``queries_full``), with ``cu_seqlens_full`` over all B * Q query rows.
+    seqused_k: torch.Tensor | None = None
+    cache_leftpad: torch.Tensor | None = None
+    queries_full: bool = False
+    cu_seqlens_full: torch.Tensor | None = None
 
     def queries_as_keys(self) -> "_Unpad":
         """The same batch with the valid keys as the only queries (self-attention): what a
@@ -150,22 +158,25 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, che
     lens_q = query_valid.sum(1, dtype=torch.int32)
     lens_k = key_valid.sum(1, dtype=torch.int32)
     K = key_valid.shape[1]
+    Q = query_valid.shape[1]
     if K > 0:
         kv = key_valid.to(torch.int8)
         first = kv.argmax(1)
         last = K - 1 - kv.flip(1).argmax(1)
         holes = ((lens_k > 0) & (last - first + 1 != lens_k)).any()
     else:
+        first = lens_k.new_zeros(lens_k.shape)
         holes = torch.zeros((), dtype=torch.bool, device=key_valid.device)
     zero = lens_q.new_zeros(1)
-    max_q, max_k, has_holes, *checked = torch.stack(
-        [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32)]
+    max_q, max_k, has_holes, missing_q, *checked = torch.stack(
+        [torch.cat([lens_q, zero]).max(), torch.cat([lens_k, zero]).max(), holes.to(torch.int32),
+         (Q - torch.cat([lens_q, Q + zero])).max()]
         + [c.to(torch.int32) for c in checks]
     ).tolist()
     pad = torch.nn.functional.pad
     indices_q = query_valid.flatten().nonzero().flatten()
     indices_k = key_valid.flatten().nonzero().flatten()
-    Q = query_valid.shape[1]
+    B = query_valid.shape[0]
     return _Unpad(
         indices_q=indices_q,
         indices_k=indices_k,
@@ -177,6 +188,10 @@ def _unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, che
         rows_q=(indices_q // max(Q, 1), indices_q % max(Q, 1)),
         rows_k=(indices_k // max(K, 1), indices_k % max(K, 1)),
         checks=tuple(checked),
+        seqused_k=lens_k,
+        cache_leftpad=first.to(torch.int32) if K > 0 and not has_holes else None,
+        queries_full=missing_q == 0 and not has_holes,
+        cu_seqlens_full=torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=lens_q.device)[:B + 1],
     )
 
 
@@ -813,6 +828,13 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "of its queries (e.g. a prompt with padding inside it); the distances would differ from "
                 "eager. Decoding one token per row past such padding is supported"
             )
+        if info.queries_full:
+            # every query row is real and each row's keys are one run of cache slots: read the
+            # cache where it lies (API.md 12), no gather of K/V and no scatter of the output
+            out = varlen_attention(query.transpose(1, 2).reshape(B * Q, Hq, D), k, v, info.cu_seqlens_full, None,
+                                   Q, info.max_seqlen_k, seqused_k=info.seqused_k, cache_leftpad=info.cache_leftpad,
+                                   **options)
+            return out.view(B, Q, Hq, Dv), None
         # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
         q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)
         k = key[info.rows_k[0], :, info.rows_k[1]]
@@ -842,6 +864,10 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "model does not hand position_ids to its attention; pass DataCollatorWithFlattening's "
                 "cu_seq_lens_q/k and max_length_q/k (return_flash_attn_kwargs=True), or pad the batch"
             )
+        elif K > Q:  # decoding without padding: the cache is read where it lies (API.md 12)
+            cu_q, used = _dense_lengths(B, Q, K, query.device)
+            out = varlen_attention(q.reshape(B * Q, Hq, D), k, v, cu_q, None, Q, K, seqused_k=used, **options)
+            return out.view(B, Q, Hq, Dv), None
         else:  # dense: B sequences of Q queries and K keys (new queries are the last keys)
             cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
             cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=query.device)
@@ -849,6 +875,14 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, Hkv, D), v.reshape(B * K, Hkv, Dv),
                            cu_q, cu_k, max_q, max_k, **options)
     return out.view(B, Q, Hq, Dv), None
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_lengths(B: int, Q: int, K: int, device: torch.device) -> tuple:
+    """cu_seqlens_q and seqused_k of B rows of Q queries over K cached keys each: the same tensors
+    for every layer and step of that shape, so the batch is validated once."""
+    cu_q = torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=device)[:B + 1]
+    return cu_q, torch.full((B,), K, dtype=torch.int32, device=device)
 
 
 def _unpad_info(mask: torch.Tensor, B: int, Q: int, K: int) -> _Unpad:

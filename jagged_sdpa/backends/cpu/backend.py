@@ -2,7 +2,7 @@
 CPU tensors in fp32/fp16/bf16.
 
 One kernel call runs the forward of the whole ragged batch and one its backward, with every option:
-packed keys or a paged cache read in place (the backward sums the dK/dV of shared cache blocks),
+packed keys, or a paged or dense cache read in place (the backward sums the dK/dV of shared cache blocks),
 dropout with ``keyed_dropout``'s masks, and API.md 11's sinks (with their gradient), chunk_size and
 prefix_lens. What the kernel cannot run, this backend refuses with the reason, and selection moves on
 (to MATH on the CPU): float64 (the kernel computes in float32), head dims above
@@ -56,6 +56,7 @@ class CpuFusedBackend(BackendImpl):
         dtype_why="the compiled kernel computes in float32",
         head_dim_max=native.MAX_HEAD_DIM,
         paged=True,
+        dense_cache=True,
         sinks=True,
         sinks_grad=True,
         chunked=True,

@@ -2320,7 +2320,7 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 8; }
+extern "C" int js_abi_version() { return 9; }
 
 // What bf16 tiles run on in this process, forward and backward: 2 AMX (tdpbf16ps), 1 AVX512-BF16
 // (vdpbf16ps), 0 float32 FMAs on widened values. Tests and the benchmark read it.

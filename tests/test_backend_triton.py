@@ -683,8 +683,9 @@ DENSE_CASES = {
 @pytest.mark.parametrize("case", list(DENSE_CASES), ids=list(DENSE_CASES))
 def test_dense_cache_read_in_place(case):
     """A dense cache, strided as transformers holds it, with leftpad and NaN outside each row's
-    range: out, lse and the cache-shaped gradients (zero outside the ranges) match the float64
-    reference over the packed keys, and no key outside a range is read."""
+    range, through ``varlen_attention(..., seqused_k=, cache_leftpad=)``: out, lse and the
+    cache-shaped gradients (exactly zero outside the ranges) match the float64 reference over the
+    packed keys, and no key outside a range is read."""
     opts = dict(DENSE_CASES[case])
     lens_q, used, leftpad, s = opts.pop("lens_q"), opts.pop("used"), opts.pop("leftpad"), opts.pop("s")
     hq, hkv, d, dtype = opts.pop("hq"), opts.pop("hkv"), 16, opts.pop("dtype", torch.float32)
@@ -697,13 +698,14 @@ def test_dense_cache_read_in_place(case):
     sinks = torch.randn(hq) if opts.get("sinks") else None
     prefix = torch.tensor(opts["prefix"], dtype=torch.int32) if "prefix" in opts else None
     extra = dict(sinks=sinks, chunk_size=opts.get("chunk_size"), prefix_lens=prefix)
-    impl = IMPLS[Backend.TRITON]
-    on_device = {name: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for name, x in extra.items()}
-    call = _dense_call(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), lens_q, used, leftpad, causal=causal,
-                       window=window, softcap=softcap, slopes=None if slopes is None else slopes.to(DEVICE),
-                       needs_grad=backward, **on_device)
-    assert impl.reasons(call.spec) == (), impl.reasons(call.spec)
-    out, lse, _ = impl.forward(call)
+    leaves = [x.to(DEVICE).requires_grad_(backward) for x in (q, k_cache, v_cache)]
+    dev = {name: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for name, x in extra.items()}
+    out, lse = jagged_sdpa.varlen_attention(
+        *leaves, cu_of(lens_q).to(DEVICE), None, max(lens_q), None, causal=causal, window_size=window,
+        softcap=softcap, alibi_slopes=None if slopes is None else slopes.to(DEVICE),
+        seqused_k=torch.tensor(used, dtype=torch.int32, device=DEVICE),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE), return_lse=True, backend="triton",
+        **dev)
     grad_out = torch.randn_like(out) if backward else None
     ref_out, ref_lse, ref_grads = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(used), grad_out,
                                              causal=causal, alignment="bottom_right", window=window,
@@ -712,12 +714,15 @@ def test_dense_cache_read_in_place(case):
     assert_close_lse(lse, ref_lse)
     if not backward:
         return
-    dq, dk, dv = impl.backward(call, out, lse, grad_out, ())[:3]
+    out.backward(grad_out)
+    dq, dk, dv = (x.grad for x in leaves)
     assert dk.shape == k_cache.shape and dv.shape == v_cache.shape
     assert_close_packed(dq, ref_grads[0], cu_seqlens=cu_of(lens_q).tolist(), name="dq", grad=True)
     for name, got, ref in (("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])):
         expected = _scatter_to_cache(ref, used, leftpad, s)
         assert not torch.isnan(got).any(), name
+        for row, (n, lp) in enumerate(zip(used, leftpad)):
+            assert not got[row, :lp].any() and not got[row, lp + n:].any(), f"{name}: outside row {row}'s range"
         assert_close_packed(got.reshape(-1, *got.shape[2:]), expected.reshape(-1, *expected.shape[2:]),
                             cu_seqlens=[0, len(used) * s], name=name, grad=True)
 

@@ -59,8 +59,8 @@ def clamped(spec: AttnSpec, table_width: Optional[int] = None) -> AttnSpec:
     is a table of width 1: its bound is S."""
     max_q = min(spec.max_seqlen_q, spec.total_q)
     max_k = spec.max_seqlen_k if spec.paged else min(spec.max_seqlen_k, spec.total_k)
-    if spec.paged and table_width is not None:
-        max_k = min(max_k, table_width * spec.block_size)
+    if spec.paged and (table_width is not None or spec.dense_cache):
+        max_k = min(max_k, (1 if spec.dense_cache else table_width) * spec.block_size)
     if (max_q, max_k) == (spec.max_seqlen_q, spec.max_seqlen_k):
         return spec
     return spec.replace(max_seqlen_q=max_q, max_seqlen_k=max_k)

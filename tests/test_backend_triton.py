@@ -449,6 +449,305 @@ def test_split_k_merge_with_every_option(pack_gqa):
     assert (out_split - out).abs().max() > 0.1  # the mask did change the result
 
 
+def test_paged_split_k_bounds_past_2_32(monkeypatch):
+    """A loose paged max_seqlen_k of 2**32 + 3 (as the flash tests pass): the kernel's split bounds
+    are int64 (16 forced splits of the unclamped bound: the last ones wrapped in int32 and counted
+    the keys twice, lse off by ln 2), and the backend clamps the bound to the table's width x block
+    size before planning."""
+    from jagged_sdpa.backends.triton.fwd import launch_fwd
+    from jagged_sdpa.backends.triton.plans import merge_splits
+    from calls import prepare_varlen
+
+    lens_q, lens_k, hq, hkv, d = [1], [300], 2, 1, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 64)
+    q = torch.randn(sum(lens_q), hq, d)
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, 1, 2**32 + 3)
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k))
+    call, _, _ = prepare_varlen(*args, 0.0, None, False, (-1, -1), 0.0, None, True, table.to(DEVICE),
+                                used.to(DEVICE), "triton")
+    assert call.spec.max_seqlen_k == 2**32 + 3
+    parts = launch_fwd(call, num_splits=16)
+    out, lse = merge_splits(parts.out, parts.lse, q.dtype)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+    seen = _spy_launches(monkeypatch)
+    out, lse = jagged_sdpa.varlen_attention(*args, block_table=table.to(DEVICE), seqused_k=used.to(DEVICE),
+                                            return_lse=True, backend="triton")
+    assert [(name, max_k) for name, _, max_k, _ in seen] == [("fwd", table.shape[1] * 64)]
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+
+def test_strided_block_table_and_alibi_slopes():
+    """A column-major block table and slopes ``s[::2]`` (per head and per batch and head) are read
+    with their strides, forward and (slopes) backward."""
+    lens_q, lens_k, hq, hkv, d = [3, 1], [40, 21], 2, 1, 16
+    k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 16)
+    table_cm = table.t().contiguous().t()
+    assert table_cm.stride(1) != 1
+    wide = torch.rand(2 * hq)
+    slopes = wide[::2]
+    q = torch.randn(sum(lens_q), hq, d)
+    out, lse = jagged_sdpa.varlen_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, max(lens_q),
+        max(lens_k), block_table=table_cm.to(DEVICE), seqused_k=torch.tensor(lens_k, dtype=torch.int32).to(DEVICE),
+        causal=True, alibi_slopes=slopes.to(DEVICE), return_lse=True, backend="triton")
+    ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k), causal=True,
+                                     alignment="bottom_right", alibi_slopes=slopes.contiguous())
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+
+    lens = [5, 9]
+    q, k, v = _tensors(lens, lens, hq, hq, d, d, torch.float32)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    per_batch = torch.rand(len(lens), 2 * hq, device=DEVICE)[:, ::2]
+    cu = cu_of(lens).to(DEVICE)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, causal=True, alibi_slopes=per_batch, backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, _, ref_grads = _reference(q, k, v, cu, cu, grad_out, causal=True, alibi_slopes=per_batch.contiguous())
+    assert_close_packed(out, ref_out, cu_seqlens=cu.tolist())
+    for name, x, ref in (("dq", q, ref_grads[0]), ("dk", k, ref_grads[1]), ("dv", v, ref_grads[2])):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+
+def test_kernels_launch_their_config_directly_without_autotuning():
+    """Without JAGGED_SDPA_TRITON_AUTOTUNE the kernels are plain JIT functions launched with the
+    config the rule picks (an autotuner over one config benchmarks it per new key in Triton < 3.7);
+    the rule picks decode and prefill tiles by the row width."""
+    from triton.runtime.autotuner import Autotuner
+    from jagged_sdpa.backends.triton import bwd, fwd
+
+    assert not fwd.AUTOTUNE and not bwd.AUTOTUNE
+    for kernel in (fwd._attn_fwd, bwd._attn_bwd_dkdv, bwd._attn_bwd_dq):
+        assert not isinstance(kernel, Autotuner), kernel
+    q16 = torch.empty(1, 1, 128, dtype=torch.float16)
+    q32 = torch.empty(1, 1, 256, dtype=torch.float32)
+
+    def pick(q, bucket, **kwargs):
+        (config,) = fwd._prune(fwd.default_configs(), {"Q": q, "max_seqlen_q_bucket": bucket}, autotune=False,
+                               HEAD_DIM_PAD=q.shape[-1], HEAD_DIM_V_PAD=q.shape[-1], **kwargs)
+        return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+
+    assert pick(q16, 4096) == (128, 64, 3)
+    assert pick(q16, 1) == (16, 128, 2)
+    assert pick(q16, 2, GROUP=8, PACK_GQA=True) == (16, 128, 2)
+    assert pick(q32, 1) == (16, 32, 1)
+    (config,) = bwd._prune(bwd.bwd_configs() if not bwd.INTERPRETED else [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st, _ in
+        bwd.DEFAULT_TILES], {"Q": q32}, autotune=False, HEAD_DIM_PAD=256, HEAD_DIM_V_PAD=256)
+    assert (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) == (16, 32)
+
+
+def test_autotune_mode_still_runs():
+    """With JAGGED_SDPA_TRITON_AUTOTUNE=1 the kernels are autotuners again (fresh process: the
+    kernel modules read the variable when imported), forward and backward."""
+    code = (
+        "import sys, torch, jagged_sdpa\n"
+        "from triton.runtime.autotuner import Autotuner\n"
+        "from jagged_sdpa.backends.triton import bwd, fwd\n"
+        "assert all(isinstance(k, Autotuner) for k in (fwd._attn_fwd, bwd._attn_bwd_dkdv, bwd._attn_bwd_dq))\n"
+        "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "q, k, v = (torch.randn(14, 2, 16, device=dev, requires_grad=True) for _ in range(3))\n"
+        "cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=dev)\n"
+        "out = jagged_sdpa.varlen_attention(q, k, v, cu, cu, causal=True, backend='triton')\n"
+        "out.sum().backward()\n"
+        "ref = jagged_sdpa.varlen_attention(q.double(), k.double(), v.double(), cu, cu, causal=True, backend='math')\n"
+        "assert (out.double() - ref).abs().max().item() < 1e-5 and q.grad is not None\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAGGED_SDPA_TRITON_AUTOTUNE="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def test_autotune_prunes_configs_by_the_devices_shared_memory(monkeypatch):
+    """fp32 D=256 decode with autotuning: every decode config of the tuned set needs more than an
+    H100's 227 KB at 2+ stages; the prune keeps only configs that fit, else the default tile."""
+    from jagged_sdpa.backends.triton import _common, bwd, fwd
+
+    h100 = 232448
+    monkeypatch.setattr(fwd, "shared_memory_limit", lambda q: h100)
+    monkeypatch.setattr(bwd, "shared_memory_limit", lambda q: h100)
+    decode = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=st)
+              for bm in (16, 32) for bn in (64, 128) for st in (2, 3)]
+    configs = decode + fwd.default_configs()
+    q32 = torch.empty(1, 1, 256, dtype=torch.float32)
+    named, dims = {"Q": q32, "max_seqlen_q_bucket": 1}, dict(HEAD_DIM_PAD=256, HEAD_DIM_V_PAD=256)
+    kept = fwd._prune(configs, named, autotune=True, **dims)
+    assert kept and all(fwd.shared_bytes(c, named, dims) <= h100 for c in kept), kept
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in kept] == [(16, 32, 1)]
+    # bf16 D=128 decode fits: the tuned set stays.
+    q16 = torch.empty(1, 1, 128, dtype=torch.float16)
+    dims16 = dict(HEAD_DIM_PAD=128, HEAD_DIM_V_PAD=128)
+    assert len(fwd._prune(configs, {"Q": q16, "max_seqlen_q_bucket": 1}, autotune=True, **dims16)) > len(decode) // 2
+    kept = bwd._prune([triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+                       triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)],
+                      {"Q": q32}, autotune=True, **dims)
+    assert all(bwd.shared_bytes(c, {"Q": q32}, dims) <= h100 for c in kept) and kept
+    assert _common.shared_memory_limit(q32) is None   # CPU tensors: nothing to prune by
+
+
+@pytest.mark.parametrize("case", ["fp32-varlen-causal", "fp16-decode-alibi"])
+def test_one_hot_gradients_at_large_logits(case):
+    """q x 300 makes every row's softmax one-hot: P is 1 at the top key, O its value row, and
+    MATH's dq/dk are exact (dS = 0). delta is computed as dP is (the diagonal of dO O^T by the same
+    dot), so TRITON's dS is 0 too instead of dP's and delta's rounding difference times scale |q|."""
+    gen = torch.Generator().manual_seed(0)
+    if case == "fp32-varlen-causal":
+        lens_q = lens_k = [3, 7]
+        hq, hkv, d, dtype, scale, slopes = 1, 1, 32, torch.float32, 1.95, None
+    else:
+        lens_q, lens_k = [1, 1, 1], [9, 17, 30]
+        hq, hkv, d, dtype, scale, slopes = 4, 2, 32, torch.float16, None, torch.rand(4, generator=gen).to(DEVICE)
+    q = (torch.randn(sum(lens_q), hq, d, generator=gen) * 300).to(dtype).to(DEVICE).requires_grad_(True)
+    k = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    v = torch.randn(sum(lens_k), hkv, d, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
+    cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
+    out = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, softmax_scale=scale, alibi_slopes=slopes,
+                                       backend="triton")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, _, ref_grads = _reference(q, k, v, cu_q, cu_k, grad_out, causal=True, alignment="bottom_right",
+                                       scale=scale, alibi_slopes=slopes)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist())
+    for name, x, ref, cu in (("dq", q, ref_grads[0], cu_q), ("dk", k, ref_grads[1], cu_k),
+                             ("dv", v, ref_grads[2], cu_k)):
+        assert_close_packed(x.grad, ref, cu_seqlens=cu.tolist(), name=name, grad=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dense KV cache read in place (API.md 12): a paged call of one block of S slots per sequence
+
+
+def _dense_cache(used, leftpad, s, hkv, d, dv, dtype):
+    """(B, S, Hkv, D) caches as transposed views of (B, Hkv, S, D) tensors (transformers' layout),
+    NaN outside each row's range [leftpad, leftpad + used), plus the packed keys the reference sees."""
+    b = len(used)
+    k_store = torch.full((b, hkv, s, d), float("nan"), dtype=dtype)
+    v_store = torch.full((b, hkv, s, dv), float("nan"), dtype=dtype)
+    k_packed = torch.randn(sum(used), hkv, d).to(dtype)
+    v_packed = torch.randn(sum(used), hkv, dv).to(dtype)
+    start = 0
+    for row, (n, lp) in enumerate(zip(used, leftpad)):
+        k_store[row, :, lp:lp + n] = k_packed[start:start + n].transpose(0, 1)
+        v_store[row, :, lp:lp + n] = v_packed[start:start + n].transpose(0, 1)
+        start += n
+    return k_store.transpose(1, 2), v_store.transpose(1, 2), k_packed, v_packed
+
+
+def _dense_call(q, k_cache, v_cache, lens_q, used, leftpad, *, causal=False, window=(-1, -1), softcap=0.0,
+                slopes=None, needs_grad=False, sinks=None, chunk_size=None, prefix_lens=None):
+    """The PackedCall a dense-cache varlen call arrives as (spec.dense_cache, block_table [[b]])."""
+    from calls import prepare_varlen
+
+    b, s = k_cache.shape[0], k_cache.shape[1]
+    table = torch.arange(b, dtype=torch.int32).unsqueeze(1).to(DEVICE)
+    used_t = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_of(lens_q).to(DEVICE), None, max(lens_q), s, 0.0, None,
+                                causal, window, softcap, slopes, True, table, used_t, "triton")
+    spec = call.spec.replace(dense_cache=True, leftpad=True, needs_grad=needs_grad, sinks=sinks is not None,
+                             chunk_size=chunk_size, prefix=prefix_lens is not None)
+    return call.replace(spec=spec, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE),
+                        sinks=sinks, prefix_lens=prefix_lens)
+
+
+def _scatter_to_cache(packed, used, leftpad, s):
+    """Packed (total, H, D) gradients placed at each row's range of a zero (B, S, H, D) cache."""
+    cache = torch.zeros(len(used), s, *packed.shape[1:], dtype=packed.dtype)
+    start = 0
+    for row, (n, lp) in enumerate(zip(used, leftpad)):
+        cache[row, lp:lp + n] = packed[start:start + n]
+        start += n
+    return cache
+
+
+DENSE_CASES = {
+    "gqa-causal-leftpad-prefill-and-decode": dict(lens_q=[3, 1, 0, 5], used=[7, 20, 0, 5], leftpad=[2, 0, 5, 11],
+                                                  s=24, hq=4, hkv=2, causal=True),
+    "window-alibi-softcap-f16": dict(lens_q=[4, 1], used=[19, 9], leftpad=[5, 0], s=24, hq=2, hkv=1,
+                                     window=(6, 0), softcap=3.0, alibi=True, dtype=torch.float16),
+    "sinks-chunk-prefix": dict(lens_q=[6, 2], used=[20, 11], leftpad=[3, 9], s=24, hq=2, hkv=2, causal=True,
+                               sinks=True, chunk_size=8, prefix=[4, 0]),
+    "split-k-decode-gqa-packed": dict(lens_q=[1, 1], used=[300, 261], leftpad=[7, 40], s=320, hq=4, hkv=2,
+                                      causal=True, backward=False),
+}
+
+
+@pytest.mark.parametrize("case", list(DENSE_CASES), ids=list(DENSE_CASES))
+def test_dense_cache_read_in_place(case):
+    """A dense cache, strided as transformers holds it, with leftpad and NaN outside each row's
+    range, through ``varlen_attention(..., seqused_k=, cache_leftpad=)``: out, lse and the
+    cache-shaped gradients (exactly zero outside the ranges) match the float64 reference over the
+    packed keys, and no key outside a range is read."""
+    opts = dict(DENSE_CASES[case])
+    lens_q, used, leftpad, s = opts.pop("lens_q"), opts.pop("used"), opts.pop("leftpad"), opts.pop("s")
+    hq, hkv, d, dtype = opts.pop("hq"), opts.pop("hkv"), 16, opts.pop("dtype", torch.float32)
+    backward = opts.pop("backward", True)
+    causal, window, softcap = opts.get("causal", False), opts.get("window", (-1, -1)), opts.get("softcap", 0.0)
+    k_cache, v_cache, k_packed, v_packed = _dense_cache(used, leftpad, s, hkv, d, d, dtype)
+    assert k_cache.stride(2) == s * d  # a view of (B, Hkv, S, D), read in place
+    q = torch.randn(sum(lens_q), hq, d).to(dtype)
+    slopes = torch.rand(hq) if opts.get("alibi") else None
+    sinks = torch.randn(hq) if opts.get("sinks") else None
+    prefix = torch.tensor(opts["prefix"], dtype=torch.int32) if "prefix" in opts else None
+    extra = dict(sinks=sinks, chunk_size=opts.get("chunk_size"), prefix_lens=prefix)
+    leaves = [x.to(DEVICE).requires_grad_(backward) for x in (q, k_cache, v_cache)]
+    dev = {name: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for name, x in extra.items()}
+    out, lse = jagged_sdpa.varlen_attention(
+        *leaves, cu_of(lens_q).to(DEVICE), None, max(lens_q), None, causal=causal, window_size=window,
+        softcap=softcap, alibi_slopes=None if slopes is None else slopes.to(DEVICE),
+        seqused_k=torch.tensor(used, dtype=torch.int32, device=DEVICE),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE), return_lse=True, backend="triton",
+        **dev)
+    grad_out = torch.randn_like(out) if backward else None
+    ref_out, ref_lse, ref_grads = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(used), grad_out,
+                                             causal=causal, alignment="bottom_right", window=window,
+                                             softcap=softcap, alibi_slopes=slopes, **extra)
+    assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
+    assert_close_lse(lse, ref_lse)
+    if not backward:
+        return
+    out.backward(grad_out)
+    dq, dk, dv = (x.grad for x in leaves)
+    assert dk.shape == k_cache.shape and dv.shape == v_cache.shape
+    assert_close_packed(dq, ref_grads[0], cu_seqlens=cu_of(lens_q).tolist(), name="dq", grad=True)
+    for name, got, ref in (("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])):
+        expected = _scatter_to_cache(ref, used, leftpad, s)
+        assert not torch.isnan(got).any(), name
+        for row, (n, lp) in enumerate(zip(used, leftpad)):
+            assert not got[row, :lp].any() and not got[row, lp + n:].any(), f"{name}: outside row {row}'s range"
+        assert_close_packed(got.reshape(-1, *got.shape[2:]), expected.reshape(-1, *expected.shape[2:]),
+                            cu_seqlens=[0, len(used) * s], name=name, grad=True)
+
+
+def test_dense_cache_length_is_not_a_constexpr(monkeypatch):
+    """A cache growing by a slot per decode step must not compile a kernel per step: the launch
+    carries S only in strides and runtime bounds (PAGE_SIZE stays fixed, DENSE is the mode)."""
+    from jagged_sdpa.backends.triton import fwd
+
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, configs, prune, grid, args, kwargs, named, autotune):
+        seen.append({name: kwargs[name] for name in ("PAGED", "DENSE", "PAGE_SIZE", "HAS_LEFTPAD")})
+        return real(kernel, configs, prune, grid, args, kwargs, named, autotune)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    for s in (9, 10):
+        k_cache, v_cache, _, _ = _dense_cache([5, 9], [1, 0], s, 1, 16, 16, torch.float32)
+        call = _dense_call(torch.randn(2, 2, 16, device=DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), [1, 1],
+                           [5, 9], [1, 0])
+        IMPLS[Backend.TRITON].forward(call)
+    assert seen == [dict(PAGED=False, DENSE=True, PAGE_SIZE=16, HAS_LEFTPAD=True)] * 2
+
+
 # ---------------------------------------------------------------------------------------------------
 # eligibility
 
@@ -519,7 +818,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     run = subprocess.run([sys.executable, "-m", "jagged_sdpa.backends.triton.compile_check", "--arch", "90",
                           "--quick"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK ") == 4, run.stdout
+    assert run.stdout.count("OK ") == 6, run.stdout
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -450,6 +450,15 @@ def test_gpt_oss_sinks_equal_eager():
             assert out[b, ids.shape[1]:].tolist() == want[0, len(s):].tolist()
 
 
+def test_eager_mask_without_a_mask_function_is_causal():
+    """The mask hook's fallback when transformers passes no mask_function: its own causal mask."""
+    mask = jt._eager_mask(2, 3, 5, 2, 0, None, None, False, None)
+    expected = masking_utils.eager_mask(batch_size=2, q_length=3, kv_length=5, q_offset=2, kv_offset=0,
+                                        mask_function=masking_utils.causal_mask_function, attention_mask=None,
+                                        use_vmap=False, device="cpu")
+    assert torch.equal(mask, expected)
+
+
 class _NoCopyOfTheCache(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on any op that makes a tensor with as many elements as the layer's used K/V (a copy
     of the cache: a gather of its valid rows, a transpose-and-reshape)."""

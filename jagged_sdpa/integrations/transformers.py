@@ -562,7 +562,7 @@ _original_correct_attn_implementation: list = [None]
 def _eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap, device,
                 **kwargs):
     """transformers' own eager mask for the hook's arguments."""
-    from transformers.masking_utils import eager_mask
+    from transformers.masking_utils import causal_mask_function, eager_mask
 
     return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                       kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,

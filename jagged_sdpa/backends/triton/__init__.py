@@ -86,7 +86,9 @@ class TritonBackend(BackendImpl):
         sinks_grad=True,
         chunked=True,
         prefix=True,
-        notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only"),
+        dense_cache=True,
+        notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only",
+               "dense KV cache (API.md 12) read in place, forward and backward"),
     )
 
     @classmethod
@@ -110,7 +112,7 @@ class TritonBackend(BackendImpl):
                        "importing triton")
         if spec.batch > plans.MAX_GRID_Z:
             yield f"batch {spec.batch} > {plans.MAX_GRID_Z} (cuda grid limit) - split the batch"
-        if spec.paged and spec.needs_grad:
+        if spec.paged and not spec.dense_cache and spec.needs_grad:
             yield "paged KV cache with a gradient needed not supported - use packed keys for training"
 
     @classmethod
@@ -137,5 +139,6 @@ class TritonBackend(BackendImpl):
 
 def _clamped(call: PackedCall) -> PackedCall:
     """The call with ``plans.clamped``'s max lengths, which the kernels' launch geometry reads."""
-    spec = plans.clamped(call.spec)
+    width = call.block_table.shape[1] if call.spec.paged and call.block_table is not None else None
+    spec = plans.clamped(call.spec, width)
     return call if spec is call.spec else call.replace(spec=spec)

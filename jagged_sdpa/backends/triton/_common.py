@@ -14,6 +14,8 @@ dropout draw, nor the loop bounds (derived from the same ranges) about the keys 
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import Optional
 
 import torch
 import triton
@@ -41,11 +43,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PAGED: tl.constexpr,
+def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, stride_kt, PAGED: tl.constexpr,
                  PAGE_SIZE: tl.constexpr):
-    """int64 element offset of key j = offs_n of this sequence (without the head/dim part)."""
+    """int64 element offset of key j = offs_n of this sequence (without the head/dim part). A dense
+    cache is addressed as packed keys from its row's base: start_k is then cache_leftpad[b]."""
     if PAGED:
-        block = tl.load(BlockTableRow + offs_n // PAGE_SIZE, mask=offs_n < len_k, other=0)
+        # The table's column stride is honoured: nothing makes a (B, max_blocks) table contiguous.
+        entry = BlockTableRow + (offs_n // PAGE_SIZE).to(tl.int64) * stride_btn
+        block = tl.load(entry, mask=offs_n < len_k, other=0)
         return block.to(tl.int64) * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kt
     else:
         return (start_k + offs_n).to(tl.int64) * stride_kt
@@ -123,12 +128,19 @@ def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, windo
 
 
 @triton.jit
-def _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr):
-    """Sequence b's query rows and key rows (paged: keys start at 0 of its block table row)."""
+def _sequence_bounds(CuQ, CuK, SeqUsedK, CacheLeftpad, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
+                     DENSE: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+    """Sequence b's query rows and key rows (paged: keys start at 0 of its block table row; a dense
+    cache: at cache_leftpad[b] of its cache row, 0 without leftpad)."""
     start_q = tl.load(CuQ + b)
     len_q = tl.load(CuQ + b + 1) - start_q
     if PAGED:
         start_k = start_q * 0
+        len_k = tl.load(SeqUsedK + b)
+    elif DENSE:
+        start_k = start_q * 0
+        if HAS_LEFTPAD:
+            start_k = tl.load(CacheLeftpad + b)
         len_k = tl.load(SeqUsedK + b)
     else:
         start_k = tl.load(CuK + b)
@@ -137,6 +149,15 @@ def _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED: tl.constexpr, PAGED: tl
         else:
             len_k = tl.load(CuK + b + 1) - start_k
     return start_q, len_q, start_k, len_k
+
+
+@triton.jit
+def _cache_row(BlockTable, b, stride_btb, DENSE: tl.constexpr):
+    """A dense cache's row of sequence b (its block table's one entry) as an int64, 0 otherwise."""
+    row = b.to(tl.int64) * 0
+    if DENSE:
+        row = tl.load(BlockTable + b.to(tl.int64) * stride_btb).to(tl.int64)
+    return row
 
 
 @triton.jit
@@ -228,13 +249,68 @@ def sequence_order(call) -> torch.Tensor:
 
 
 def alibi_args(call):
-    """(slopes tensor or a dummy, batch stride): per_head slopes broadcast with stride 0."""
+    """(slopes tensor or a dummy, batch stride, head stride): per_head slopes broadcast with batch
+    stride 0. Both strides are passed: slopes may be any view (``s[::2]``)."""
     slopes = call.alibi_slopes
     if slopes is None:
-        return call.cu_seqlens_q, 0
+        return call.cu_seqlens_q, 0, 0
     if slopes.dim() == 1:
-        return slopes, 0
-    return slopes, slopes.stride(0)
+        return slopes, 0, slopes.stride(0)
+    return slopes, slopes.stride(0), slopes.stride(1)
+
+
+def table_args(call):
+    """(block table or a dummy, row stride, column stride): the table may be any view."""
+    table = call.block_table
+    if table is None or not call.spec.paged:
+        return call.cu_seqlens_q, 0, 0
+    return table, table.stride(0), table.stride(1)
+
+
+def leftpad_arg(call) -> torch.Tensor:
+    """cache_leftpad (B,) of a dense cache, or a dummy."""
+    return call.cache_leftpad if call.spec.leftpad and call.cache_leftpad is not None else call.cu_seqlens_q
+
+
+def layout_flags(call) -> dict:
+    """PAGED (keys through the block table, PAGE_SIZE a constexpr) or DENSE (keys at
+    ``row * stride_kb + (leftpad + j) * stride_kt``: a dense cache's length S is never a constexpr,
+    so a cache growing by one slot per decode step does not recompile)."""
+    spec = call.spec
+    dense = bool(spec.dense_cache)
+    paged = spec.paged and not dense
+    return dict(PAGED=paged, DENSE=dense, HAS_LEFTPAD=dense and spec.leftpad and call.cache_leftpad is not None,
+                PAGE_SIZE=spec.block_size if paged else 16)
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> Optional[int]:
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # an older driver API: torch's opt-in figure, when it has one
+        props = torch.cuda.get_device_properties(index)
+        value = getattr(props, "shared_memory_per_block_optin", None)
+        return int(value) if value else None
+
+
+def shared_memory_limit(t) -> Optional[int]:
+    """Bytes of shared memory one program may use on t's GPU; None off CUDA (no limit to prune by)."""
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        return None
+    return _cuda_shared_memory(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch(kernel, configs, prune, grid, args, kwargs, named, autotune: bool):
+    """Run ``kernel`` (an autotuner when ``autotune``) with the config ``prune`` picks. Without
+    autotuning the kernel is a plain JIT function launched with that config: an autotuner over one
+    config still benchmarks it on every new key in Triton < 3.7 (a device sync and ~0.1 s per
+    shape bucket, and a failed CUDA-graph capture when a new bucket first appears inside one)."""
+    if autotune:
+        kernel[grid](*args, **kwargs)
+        return None
+    config = prune(configs, named, **kwargs)[0]
+    kernel[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    return config
 
 
 def kv_strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:

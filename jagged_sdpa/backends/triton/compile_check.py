@@ -29,9 +29,9 @@ FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks"}
 FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
 
 ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_CHUNK=True, HAS_PREFIX=True, HAS_SOFTCAP=True,
-              HAS_ALIBI=True, HAS_DROPOUT=True, HAS_SEQUSED=True, IEEE=False)
+              HAS_ALIBI=True, HAS_DROPOUT=True, HAS_SEQUSED=True, DENSE=False, HAS_LEFTPAD=False, IEEE=False)
 ALL_OFF = dict(GROUP=1, BOTTOM_RIGHT=False, HAS_BAND=False, HAS_CHUNK=False, HAS_PREFIX=False, HAS_SOFTCAP=False,
-               HAS_ALIBI=False, HAS_DROPOUT=False, HAS_SEQUSED=False, IEEE=False)
+               HAS_ALIBI=False, HAS_DROPOUT=False, HAS_SEQUSED=False, DENSE=False, HAS_LEFTPAD=False, IEEE=False)
 
 
 def _dims(d: int, dv: int) -> dict:
@@ -49,8 +49,15 @@ def variants(quick: bool):
            {**ALL_ON, **_dims(128, 128), "GROUP_SPLITS": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
     yield ("bwd dq every option, bf16 D128", bwd._attn_bwd_dq, "bf16", "bf16",
            {**ALL_ON, **_dims(128, 128), "BLOCK_M": 64, "BLOCK_N": 64}, 8, 2)
+    dense = dict(PAGED=False, PAGE_SIZE=16, SPLIT_K=True, PACK_GQA=True, HAS_SINKS=True, DENSE=True,
+                 HAS_LEFTPAD=True)
+    yield ("fwd every option, dense cache with leftpad, split-k, gqa-packed, fp16 D64", fwd._attn_fwd, "fp16",
+           "fp32", {**ALL_ON, **_dims(64, 64), **dense, "BLOCK_M": 16, "BLOCK_N": 128}, 4, 2)
+    yield ("bwd dk/dv every option, dense cache with leftpad, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "bf16",
+           {**ALL_ON, **_dims(128, 128), "DENSE": True, "HAS_LEFTPAD": True, "GROUP_SPLITS": 1, "BLOCK_M": 64,
+            "BLOCK_N": 64}, 8, 2)
     yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
-           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64}, 4, 1)
+           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64, "IEEE": False}, 4, 1)
     if quick:
         return
     # Every default tile at the widest row it serves: what runs when autotuning is off.
@@ -122,7 +129,7 @@ def main(argv=None) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     for name, kernel, data, out, constexprs, warps, stages in variants(args.quick):
-        jit_fn = kernel if hasattr(kernel, "params") else kernel.fn  # the autotuner wraps the JITFunction
+        jit_fn = kernel if hasattr(kernel, "params") else kernel.fn  # an autotuner wraps it (autotuning on)
         source = ASTSource(jit_fn, signature(jit_fn, data, out, constexprs), constexprs=constexprs)
         try:
             compiled = triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})

@@ -32,8 +32,9 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args, dropout_key_args,
-    head_dim_pad, kv_strides, length_bucket, mask_args, on_device, sequence_order, sink_args, tile_bytes_per_row,
+    _cache_row, _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
+    dropout_key_args, head_dim_pad, kv_strides, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
+    sequence_order, shared_memory_limit, sink_args, table_args, tile_bytes_per_row,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
@@ -43,15 +44,20 @@ INTERPRETED = interpret_setting() == "1"
 AUTOTUNE = autotune_setting()
 
 
+def default_configs() -> list[triton.Config]:
+    """The default tiles as configs, widest first (``_prune`` picks one per call without autotuning)."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in DEFAULT_TILES]
+
+
 def fwd_configs() -> list[triton.Config]:
     """One config under the interpreter. Compiled: by default one config per shape class, picked by
     ``_prune`` (prefill tiles of 128/64 rows, 16-row decode tiles, smaller tiles where a row is
-    wide); with JAGGED_SDPA_TRITON_AUTOTUNE=1 a Hopper/Ampere set the autotuner benchmarks."""
+    wide); with JAGGED_SDPA_TRITON_AUTOTUNE=1 a Hopper/Ampere set the autotuner benchmarks, plus
+    the default tiles (what ``_prune`` falls back to when no other fits the shared memory)."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     if not AUTOTUNE:
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-                for bm, bn, w, s in DEFAULT_TILES]
+        return default_configs()
     prefill = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
@@ -65,7 +71,10 @@ def fwd_configs() -> list[triton.Config]:
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=s)
         for bm in (16, 32) for bn in (64, 128) for s in (2, 3)
     ]
-    return list(filter(keep, prefill)) + decode
+    tuned = list(filter(keep, prefill)) + decode
+    seen = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuned}
+    return tuned + [c for c in default_configs()
+                    if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in seen]
 
 
 # Default tiles (BLOCK_M, BLOCK_N, warps, stages), widest first: the first that fits a call's row
@@ -84,9 +93,23 @@ _TILE_ROW_BYTES = {(128, 64): 256, (64, 64): 512, (64, 32): 1 << 30, (16, 128): 
                    (16, 32): 1 << 30}
 
 
-def _prune(configs, named_args, **kwargs):
+def shared_bytes(config, named_args, kwargs) -> int:
+    """Shared memory a forward config needs, estimated: the Q tile plus one K and one V tile per
+    pipeline stage (padded head dims x element size)."""
+    q = named_args.get("Q")
+    size = q.element_size() if hasattr(q, "element_size") else 2
+    d = kwargs.get("HEAD_DIM_PAD", 64)
+    dv = kwargs.get("HEAD_DIM_V_PAD", d)
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return size * (bm * d + max(config.num_stages, 1) * bn * (d + dv))
+
+
+def _prune(configs, named_args, autotune=None, **kwargs):
     """Tile rows sized to the call (a decode step has GROUP rows at most, or one); tiles that fit
-    the row width; without autotuning, the first (widest) such tile only."""
+    the row width; without autotuning, the first (widest) such tile only. Autotuning keeps the
+    configs whose shared memory fits the device, or else the default tile for the row width."""
+    autotune = AUTOTUNE if autotune is None else autotune
+
     def arg(name, default):
         return kwargs.get(name, named_args.get(name, default))
 
@@ -94,16 +117,24 @@ def _prune(configs, named_args, **kwargs):
     rows = arg("max_seqlen_q_bucket", 1024) * (arg("GROUP", 1) if arg("PACK_GQA", False) else 1)
     small = rows <= 32
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= 32) == small]
-    if not AUTOTUNE:
-        kept = [c for c in kept if row_bytes <= _TILE_ROW_BYTES.get((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]), 0)]
-        return kept[:1] or configs[-1:]
+
+    def by_rule(candidates):
+        fitting = [c for c in candidates
+                   if row_bytes <= _TILE_ROW_BYTES.get((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]), 0)]
+        return fitting[:1]
+
+    if not autotune:
+        return by_rule(kept) or configs[-1:]
     d = row_bytes // 2
     kept = [c for c in kept if d <= 128 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
-    return kept or configs[:1]
+    limit = shared_memory_limit(named_args.get("Q"))
+    if limit is not None:
+        kept = [c for c in kept if shared_bytes(c, named_args, kwargs) <= limit]
+    return kept or by_rule([c for c in configs if (c.kwargs["BLOCK_M"] <= 32) == small]) or configs[-1:]
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_valid, offs_d,
+def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos_q, row_valid, offs_d,
                offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
                sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
@@ -117,7 +148,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < len_k
-        k_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_kb, stride_kt, PAGED, PAGE_SIZE)
+        k_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, stride_kt, PAGED,
+                              PAGE_SIZE)
         k = tl.load(K + kv_head_off_k + k_rows[None, :] + offs_d[:, None].to(tl.int64) * stride_kd,
                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         qk = _dot(q, k, IEEE)
@@ -138,7 +170,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
         if HAS_DROPOUT:
             keep = _dropout_keep(key_seed, key_offset, b, offs_m, heads_col, offs_n, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_vb, stride_vt, PAGED, PAGE_SIZE)
+        v_rows = _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_vb, stride_vt, PAGED,
+                              PAGE_SIZE)
         v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         acc += _dot(p.to(v.dtype), v, IEEE)
@@ -146,13 +179,6 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    configs=fwd_configs(),
-    key=["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND", "HAS_CHUNK",
-         "HAS_PREFIX", "HAS_SINKS",
-         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "SPLIT_K", "PACK_GQA"],
-    prune_configs_by={"early_config_prune": _prune},
-)
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
 @triton.jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
@@ -160,13 +186,13 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, b, offs_m, pos_q, row_vali
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
-    PrefixLens, Sinks,                                   # int32 (B,), float32 (Hq,) (API.md 11)
+    PrefixLens, Sinks, CacheLeftpad,                     # int32 (B,), float32 (Hq,) (API.md 11), int32 (B,)
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
-    stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D) or (blocks, size, Hkv, D)
+    stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D), (blocks, size, Hkv, D) or (B, S, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,          # v, same with Dv
     stride_os, stride_ot, stride_oh, stride_od,          # out (splits, total_q, Hq, Dv); split stride 0 if none
     stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
-    stride_btb, stride_ab,                               # block table row, alibi batch (0 = per head)
+    stride_btb, stride_btn, stride_ab, stride_ah,        # block table row/column, alibi batch (0 = per head)/head
     sm_scale, softcap, window_left, window_right, chunk_size,  # runtime scalars
     dropout_p, key_seed, key_offset, split_size, num_splits,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
@@ -176,6 +202,7 @@ def _attn_fwd(
     BOTTOM_RIGHT: tl.constexpr, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     HAS_SINKS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DENSE: tl.constexpr, HAS_LEFTPAD: tl.constexpr,      # a dense (B, S, Hkv, D) cache read in place
     SPLIT_K: tl.constexpr,                               # num_splits > 1 (a runtime value: no recompile per count)
     PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
     IEEE: tl.constexpr,
@@ -186,7 +213,8 @@ def _attn_fwd(
     pid_z = tl.program_id(2)
     b = tl.load(SeqOrder + pid_z // num_splits)
     split = pid_z % num_splits
-    start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, b, HAS_SEQUSED, PAGED)
+    start_q, len_q, start_k, len_k = _sequence_bounds(CuQ, CuK, SeqUsedK, CacheLeftpad, b, HAS_SEQUSED, PAGED, DENSE,
+                                                      HAS_LEFTPAD)
     n_rows = len_q
     if PACK_GQA:
         n_rows = len_q * GROUP
@@ -237,8 +265,15 @@ def _attn_fwd(
         full_lo, hi = _visible_keys(q_last + shift, len_k, window_left, window_right, chunk_size, prefix_len,
                                     HAS_CHUNK, HAS_PREFIX)
     if SPLIT_K:
-        lo = tl.maximum(lo, split * split_size)
-        hi = tl.minimum(hi, (split + 1) * split_size)
+        # int64: split * split_size passes 2**31 for a loose bound (the last splits' bounds wrapped,
+        # and their keys entered the softmax twice). An empty split becomes [0, 0), so both bounds
+        # fit int32 (a nonempty one lies inside [0, len_k)) and no block below lo is read.
+        split_lo = split.to(tl.int64) * split_size
+        lo64 = tl.maximum(lo.to(tl.int64), split_lo)
+        hi64 = tl.minimum(hi.to(tl.int64), split_lo + split_size)
+        empty = lo64 >= hi64
+        lo = tl.where(empty, 0, lo64).to(tl.int32)
+        hi = tl.where(empty, 0, hi64).to(tl.int32)
     # A tile whose rows see no key (e.g. bottom-right causal, Lq > Lk) or an empty split gets
     # hi <= lo. Keep every bound >= 0 (``_visible_keys`` clamps them): Triton's integer division
     # truncates toward zero, so a negative hi made the interior range below start at a negative
@@ -251,28 +286,29 @@ def _attn_fwd(
 
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(Alibi + b * stride_ab + heads)[:, None]
+        slope = tl.load(Alibi + b * stride_ab + heads * stride_ah)[:, None]
     heads_col = heads[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     table_row = BlockTable + b.to(tl.int64) * stride_btb
-    k_head = kv_head.to(tl.int64) * stride_kh
-    v_head = kv_head.to(tl.int64) * stride_vh
+    cache_row = _cache_row(BlockTable, b, stride_btb, DENSE)
+    k_head = kv_head.to(tl.int64) * stride_kh + cache_row * stride_kb
+    v_head = kv_head.to(tl.int64) * stride_vh + cache_row * stride_vb
     if HAS_BAND:
         # Causal/window tiles: masked boundary blocks around an unmasked interior. (Without a band
         # the mask is one compare, and splitting off the last block measured more register spills
         # with ptxas for sm_90 than it saves.)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            acc, l_i, m_i, q, K, V, table_row, stride_btn, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             lo, mid_lo, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
             sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
             key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
             HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
             True)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+            acc, l_i, m_i, q, K, V, table_row, stride_btn, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
             sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
             key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
@@ -280,7 +316,7 @@ def _attn_fwd(
             False)
         lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, table_row, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
+        acc, l_i, m_i, q, K, V, table_row, stride_btn, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
         lo, hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
         sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
         key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
@@ -317,6 +353,17 @@ def _attn_fwd(
     tl.store(l_ptrs, lse, mask=row_valid)
 
 
+_AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
+                 "HAS_CHUNK", "HAS_PREFIX", "HAS_SINKS", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "DENSE",
+                 "SPLIT_K", "PACK_GQA"]
+CONFIGS = fwd_configs()
+# Without autotuning the kernel is launched directly with ``_prune``'s one config (``launch``).
+_attn_fwd_jit = _attn_fwd
+if AUTOTUNE:
+    _attn_fwd = triton.autotune(configs=CONFIGS, key=_AUTOTUNE_KEY,
+                                prune_configs_by={"early_config_prune": _prune})(_attn_fwd_jit)
+
+
 def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
     ``plans.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
@@ -334,9 +381,8 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     if batch == 0 or total_q == 0:
         return AttnOutput(out[0] if num_splits == 1 else out, lse[0] if num_splits == 1 else lse)
     (left, right, chunk, prefix), mask_flags = mask_args(call)
-    slopes, stride_ab = alibi_args(call)
-    block_table = call.block_table if spec.paged else call.cu_seqlens_q
-    stride_btb = call.block_table.stride(0) if spec.paged else 0
+    slopes, stride_ab, stride_ah = alibi_args(call)
+    block_table, stride_btb, stride_btn = table_args(call)
     seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
     cu_k = call.cu_seqlens_k if call.cu_seqlens_k is not None else call.cu_seqlens_q
     max_k = max(spec.max_seqlen_k, 1)
@@ -347,27 +393,32 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     rows = max(spec.max_seqlen_q, 1) * (group if pack_gqa else 1)
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), spec.heads_kv if pack_gqa else heads_q,
                          batch * num_splits)
+    q_bucket = length_bucket(spec.max_seqlen_q)
+    args = (
+        q, k, v, out, lse,
+        call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call), prefix, sink_args(call),
+        leftpad_arg(call),
+        *q.stride(),
+        *kv_strides(k, spec.paged),
+        *kv_strides(v, spec.paged),
+        *out.stride(),
+        *lse.stride(),
+        stride_btb, stride_btn, stride_ab, stride_ah,
+        spec.scale, spec.softcap or 1.0, left, right, chunk,
+        spec.dropout_p, *dropout_key_args(call), split_size, num_splits,
+        q_bucket, length_bucket(spec.max_seqlen_k),
+    )
+    kwargs = dict(
+        GROUP=group,
+        HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
+        HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
+        BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
+        HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
+        HAS_SINKS=spec.sinks, **layout_flags(call),
+        SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
+    )
     with on_device(q):
-        _attn_fwd[grid](
-            q, k, v, out, lse,
-            call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call), prefix, sink_args(call),
-            *q.stride(),
-            *kv_strides(k, spec.paged),
-            *kv_strides(v, spec.paged),
-            *out.stride(),
-            *lse.stride(),
-            stride_btb, stride_ab,
-            spec.scale, spec.softcap or 1.0, left, right, chunk,
-            spec.dropout_p, *dropout_key_args(call), split_size, num_splits,
-            length_bucket(spec.max_seqlen_q), length_bucket(spec.max_seqlen_k),
-            GROUP=group,
-            HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
-            HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PAD=head_dim_pad(spec.head_dim_v),
-            BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
-            HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
-            HAS_SINKS=spec.sinks, PAGED=spec.paged, PAGE_SIZE=spec.block_size if spec.paged else 16,
-            SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
-        )
+        launch(_attn_fwd, CONFIGS, _prune, grid, args, kwargs, {"Q": q, "max_seqlen_q_bucket": q_bucket}, AUTOTUNE)
     if num_splits > 1:
         return AttnOutput(out, lse)
     return AttnOutput(out[0], lse[0])

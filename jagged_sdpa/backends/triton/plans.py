@@ -15,6 +15,7 @@ notes, plus the lse merge of split-K's partial results.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -46,16 +47,20 @@ def programs_wanted(spec: AttnSpec) -> int:
     return 16
 
 
-def clamped(spec: AttnSpec) -> AttnSpec:
+def clamped(spec: AttnSpec, table_width: Optional[int] = None) -> AttnSpec:
     """The spec with max_seqlen_q no larger than total_q (and max_seqlen_k than total_k for packed
     keys): the launch geometry and every plan below read these bounds, and a caller may pass a
     loose static one (a server's decode step, a CUDA graph: 131072 for one query per sequence).
     Unclamped, such a decode got prefill tiles, no split-K and no GQA packing, and launched
     cdiv(bound, BLOCK_M) x Hq x B programs that mostly exit at once; around 2**35 the grid's x
     axis overflowed. A paged cache's capacity bounds no sequence (a block table may repeat a
-    block), so its max_seqlen_k stays as given."""
+    block), but its block table's width x block_size does (``table_width``, known to a call, not
+    to ``explain``): unclamped, a bound past 2**31 overflowed split-K's key ranges. A dense cache
+    is a table of width 1: its bound is S."""
     max_q = min(spec.max_seqlen_q, spec.total_q)
     max_k = spec.max_seqlen_k if spec.paged else min(spec.max_seqlen_k, spec.total_k)
+    if spec.paged and (table_width is not None or spec.dense_cache):
+        max_k = min(max_k, (1 if spec.dense_cache else table_width) * spec.block_size)
     if (max_q, max_k) == (spec.max_seqlen_q, spec.max_seqlen_k):
         return spec
     return spec.replace(max_seqlen_q=max_q, max_seqlen_k=max_k)

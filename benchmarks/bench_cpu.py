@@ -32,7 +32,7 @@ contender where glibc is told to return large blocks to the OS at once (not for 
 compile a fresh process would redo).
 
 Issue 20's rows (``options``): W1 causal, fp32 and bf16, forward and forward+backward, the same call
-with and without API.md 11's sinks + prefix_lens + chunk_size, timed interleaved on the compiled
+with and without docs/api.md section 11's sinks + prefix_lens + chunk_size, timed interleaved on the compiled
 kernel, with two chunk sizes: one that cuts the sequences (less work: the time ratio) and one that
 cuts almost nothing (the cost per visible (query, key) pair, counted by positions.visible_keys: what
 the options themselves cost). The target: both at most 1.10x.
@@ -616,7 +616,7 @@ def tiny_rows(reps: int, rounds: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# issue 20: API.md 11's options on the compiled kernel, the same call with and without them
+# issue 20: docs/api.md section 11's options on the compiled kernel, the same call with and without them
 
 # Two chunk sizes: 256 cuts W1's sequences (47..851) as Llama 4's 8192 cuts long contexts (less
 # work: the time ratio is the user's view); the longest key length - 1 cuts almost nothing, so its

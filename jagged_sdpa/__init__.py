@@ -1,6 +1,6 @@
 """jagged_sdpa: scaled-dot-product attention on ragged batches, without padding.
 
-Public names only; see README.md and the contract in API.md.
+Public names only; see README.md and docs/api.md.
 """
 
 from jagged_sdpa.api import explain, sdpa, varlen_attention

@@ -142,7 +142,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     generator. ``sinks`` (Hq,) float: a per-head logit added to every row's softmax denominator;
     ``chunk_size`` C: a row at aligned position i' sees only keys j with j // C == i' // C;
     ``prefix_lens`` int32 (B,): rows at aligned positions < P_b also see every key j < P_b
-    (API.md section 11). When the NJTs carry their max seqlen (they do when built by torch) and live on a
+    (docs/api.md section 11). When the NJTs carry their max seqlen (they do when built by torch) and live on a
     GPU, no host sync happens; on the CPU offsets are always read and validated.
 
     Example::
@@ -182,7 +182,7 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     max_k = inputs.validate_max_seqlen("max_seqlen_k", max_seqlen_k)
     if max_k is None and cu_seqlens_k is None and block_table is None and isinstance(k, Tensor) and k.dim() == 4 \
             and (q.device.type != "cpu" or torch.compiler.is_compiling()):
-        max_k = k.shape[1]  # a dense cache (API.md 12): its length S bounds every row, with no host read
+        max_k = k.shape[1]  # a dense cache (docs/api.md section 12): its length S bounds every row, with no host read
     if torch.compiler.is_compiling():  # nothing read: upper bounds to trace with when a max is missing
         refusal = plans.missing_max("max_seqlen_q", max_q, "max_seqlen_k", max_k)
         if refusal is not None:
@@ -208,7 +208,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cu_seqlens_q/_k int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at
     total_q/total_k (zero-length sequences allowed). Paged KV cache: k/v
     (num_blocks, block_size, Hkv, D/Dv), ``block_table`` int32 (B, max_blocks), ``seqused_k``
-    int32 (B,) and ``cu_seqlens_k=None``. Dense KV cache read in place (API.md 12): k/v
+    int32 (B,) and ``cu_seqlens_k=None``. Dense KV cache read in place (docs/api.md section 12): k/v
     (B, S, Hkv, D/Dv) with any strides whose last is 1 (transformers' ``(B, Hkv, S, D)`` caches as
     ``.transpose(1, 2)``), ``cu_seqlens_k=None``, no ``block_table``, ``seqused_k`` int32 (B,) and
     ``cache_leftpad`` int32 (B,) (default zeros): row b's keys are cache slots
@@ -218,7 +218,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     sees keys j <= i + Lk - Lq (for Lq=2, Lk=5: rows ``1 1 1 1 0`` and ``1 1 1 1 1``).
     ``window_size``, ``softcap`` (0 = off) and ``alibi_slopes`` use the same alignment.
 
-    ``sinks`` float (Hq,), ``chunk_size`` and ``prefix_lens`` int32 (B,): API.md section 11 (see
+    ``sinks`` float (Hq,), ``chunk_size`` and ``prefix_lens`` int32 (B,): docs/api.md section 11 (see
     ``sdpa``), with the same alignment.
 
     Returns out (total_q, Hq, Dv), or (out, lse) with ``return_lse=True``, lse float32

@@ -65,9 +65,9 @@ class Batch:
     seqused_host: Optional[tuple] = None
     table_host: Optional[list] = None   # paged: rows of block ids, read with the lengths
     kv_dense: bool = False              # sdpa's dense key/value: cu_seqlens_k is b * S
-    prefix_lens: Optional[Tensor] = None  # int32 (B,), API.md 11; 0 <= P_b <= key length of b
+    prefix_lens: Optional[Tensor] = None  # int32 (B,), docs/api.md section 11; 0 <= P_b <= key length of b
     prefix_host: Optional[tuple] = None   # its values, read with the lengths
-    # A dense cache (API.md 12): k/v (B, S, Hkv, D) read in place, carried as a paged cache of one
+    # A dense cache (docs/api.md section 12): k/v (B, S, Hkv, D) read in place, carried as a paged cache of one
     # block of S slots per sequence (``block_table`` is made here: row b holds [b]), its keys
     # starting at slot ``cache_leftpad[b]`` (None: 0).
     dense_cache: bool = False
@@ -175,9 +175,9 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
     Raises the ValueError of the first bad content, naming the argument as ``names`` spells it.
     Without a read, ``max_q``/``max_k`` must be given (they bound every length). ``kv_dense``:
     sdpa's dense key/value of length ``max_k`` shared by every sequence (``cu_k`` is made here).
-    Neither ``cu_k`` nor ``block_table`` (and not ``kv_dense``): a dense cache (API.md 12), its
+    Neither ``cu_k`` nor ``block_table`` (and not ``kv_dense``): a dense cache (docs/api.md section 12), its
     one-block-per-sequence table made here; ``cache_leftpad`` read with the lengths.
-    ``prefix_lens`` (API.md 11): read with the lengths, each within its sequence's key length.
+    ``prefix_lens`` (docs/api.md section 11): read with the lengths, each within its sequence's key length.
     ``copy``: the batch keeps (and the kernels read) copies of the metadata, taken before it is
     validated: a batch found again for tensors changed without a torch op (through ``.numpy()``,
     say, which bumps no version) still holds exactly what was validated."""

@@ -39,7 +39,7 @@ from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
 
-# prefix_lens, sinks (API.md 11) and cache_leftpad (API.md 12) come last, with defaults: callers
+# prefix_lens, sinks (docs/api.md section 11) and cache_leftpad (docs/api.md section 12) come last, with defaults: callers
 # written before them still fit. A dense cache passes no block_table (its table is made from B).
 _CALL_ARGS = ("Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, "
               "Tensor? alibi_slopes, Tensor? dropout_key, str backend, str options, SymInt max_seqlen_q, "

@@ -35,7 +35,7 @@ class Options:
     return_lse: bool = False
     forced: Optional[Backend] = None
     notes: tuple = ()
-    chunk_size: Optional[int] = None     # API.md 11; normalised per call by ``spec.effective_chunk``
+    chunk_size: Optional[int] = None     # docs/api.md section 11; normalised per call by ``spec.effective_chunk``
 
     def scale_for(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale

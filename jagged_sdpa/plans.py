@@ -1,4 +1,4 @@
-"""Plans: a batch validated once, run in every layer (API.md section 10).
+"""Plans: a batch validated once, run in every layer (docs/api.md section 10).
 
 A ``Plan`` joins a ``batch.Batch`` (the batch's validated metadata) and ``options.Options`` (the
 layer's validated keyword arguments). ``run`` does only per-layer work: the first run of each
@@ -46,7 +46,7 @@ _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla"
 
 
 def autocast(q, k, v) -> tuple:
-    """q, k, v as ``torch.autocast`` casts SDPA's inputs (API.md section 1): floating tensors other
+    """q, k, v as ``torch.autocast`` casts SDPA's inputs (docs/api.md section 1): floating tensors other
     than float64 to the autocast dtype of their device, when autocast is on there."""
     if not isinstance(q, Tensor) or q.device.type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(
             q.device.type):
@@ -265,14 +265,14 @@ def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Opt
          window_size=(-1, -1), softcap=0.0, chunk_size=None, prefix_lens: Optional[Tensor] = None,
          return_lse=False, block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
          cache_leftpad: Optional[Tensor] = None, backend=None) -> Plan:
-    """Validate a batch once, for ``run`` in every layer (API.md section 10).
+    """Validate a batch once, for ``run`` in every layer (docs/api.md section 10).
 
     Arguments mean what they mean in ``varlen_attention``; bad metadata or options raise the same
     errors. The plan keeps copies of ``cu_seqlens_*``, ``block_table``, ``seqused_k`` and
     ``prefix_lens``: later changes to the caller's tensors do not reach it (``update`` points it at a
-    new batch). ``chunk_size``, ``prefix_lens`` and ``run``'s ``sinks``: API.md section 11. A dense
+    new batch). ``chunk_size``, ``prefix_lens`` and ``run``'s ``sinks``: docs/api.md section 11. A dense
     cache (``cu_seqlens_k=None`` without ``block_table``, with ``seqused_k`` and ``cache_leftpad``):
-    API.md section 12; the plan cannot see the cache length S, so ``run`` refuses a range past it.
+    docs/api.md section 12; the plan cannot see the cache length S, so ``run`` refuses a range past it.
 
     Example::
 

@@ -74,11 +74,11 @@ class AttnSpec:
     block_size: int = 0                   # paged cache block size (0 when not paged)
     seqused_k: bool = False               # a seqused_k tensor limits the keys of each sequence
     equal_lengths: bool = False           # every sequence has Lq == Lk (known without a read, or read)
-    chunk_size: Optional[int] = None      # chunked local attention (API.md 11); None = off (or a no-op)
-    prefix: bool = False                  # prefix_lens given (prefix-LM, API.md 11) and able to change the mask
+    chunk_size: Optional[int] = None      # chunked local attention (docs/api.md section 11); None = off (or a no-op)
+    prefix: bool = False                  # prefix_lens given (prefix-LM, docs/api.md section 11) and able to change the mask
     sinks: bool = False                   # a per-head sink logit (Hq,) in every row's softmax denominator
     sinks_grad: bool = False              # the sinks themselves need a gradient
-    # A dense (B, S, Hkv, D) KV cache read in place (API.md 12): carried as a paged cache of one
+    # A dense (B, S, Hkv, D) KV cache read in place (docs/api.md section 12): carried as a paged cache of one
     # block of S slots per sequence (paged=True, block_size=S, block_table[b] = [b]), whose keys
     # start at cache_leftpad[b] when ``leftpad``.
     dense_cache: bool = False
@@ -142,9 +142,9 @@ class PackedCall:
     [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
     refusal: why the call may not run, raised as a ValueError when its operator runs (a call
     traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
-    prefix_lens: int32 (B,) (API.md 11) when ``spec.prefix``, else None; prefix_host its values
+    prefix_lens: int32 (B,) (docs/api.md section 11) when ``spec.prefix``, else None; prefix_host its values
     read on the host (None when not read). sinks: float (Hq,) when ``spec.sinks``, else None.
-    cache_leftpad: int32 (B,) when ``spec.leftpad`` (a dense cache, API.md 12: sequence b's keys are
+    cache_leftpad: int32 (B,) when ``spec.leftpad`` (a dense cache, docs/api.md section 12: sequence b's keys are
     cache slots [cache_leftpad[b], cache_leftpad[b] + seqused_k[b]) of row b), else None;
     leftpad_host its values read on the host.
     """

@@ -31,7 +31,7 @@ Design
   forced backend may refuse a call with ``NoBackendError`` ("refused"); automatic selection and
   MATH may not. Dropout: same seed -> same output, no NaN; ``dropout_p=1.0`` -> zeros; ``0.0``
   -> the reference. Meta tensors: an output of the right shape on meta (or a clean refusal).
-* API.md section 11 (``sinks``, ``chunk_size``, ``prefix_lens``): ``mode="options"`` (``--mode
+* docs/api.md section 11 (``sinks``, ``chunk_size``, ``prefix_lens``): ``mode="options"`` (``--mode
   options``) gives every case at least one of them; by default a share ``OPTIONS_SHARE`` of the
   ordinary cases draws them (from a stream of its own, so the rest of every case is unchanged).
   ``varlen``, ``paged``, ``sdpa`` and ``sdpa_dense`` take them; the reference and the float32
@@ -246,7 +246,7 @@ def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dic
 
 
 def _section11_options(case, rng, top):
-    """API.md 11: at least one of sinks (a learned logit per head, its gradient with the others'),
+    """docs/api.md section 11: at least one of sinks (a learned logit per head, its gradient with the others'),
     chunk_size (small chunks that cut sequences, or one that covers them) and prefix_lens (values
     drawn in ``build``: 0, the whole key sequence, or anything between); sometimes an invalid one."""
     while not (case["sinks"] or case["chunk_size"] or case["prefix"]):
@@ -545,7 +545,7 @@ def naive_attention(case, q, k, v, cu_q, cu_k, seqused=None, slopes=None, comp=N
     ``reference.attention_reference`` on every case that uses it). ``with_lse`` also returns the lse
     (Hq, total_q), -inf for rows that see no key (the sink with ``sinks``), with finite gradients
     everywhere. ``sinks`` (Hq,), ``prefix`` (a length per sequence) and ``case["chunk_size"]``:
-    API.md 11."""
+    docs/api.md section 11."""
     dtype = q.dtype
     comp = comp or (torch.float64 if dtype == torch.float64 else torch.float32)
     hq, hkv = q.shape[1], k.shape[1]
@@ -662,7 +662,7 @@ def call_library(case, b, mutate=None):
 
 
 def _section11_kwargs(case, b):
-    """The case's API.md 11 arguments (only those it draws, so the others stay at their defaults)."""
+    """The case's docs/api.md section 11 arguments (only those it draws, so the others stay at their defaults)."""
     kw = {}
     if case.get("chunk_size") is not None:
         kw["chunk_size"] = case["chunk_size"]
@@ -1153,7 +1153,7 @@ def _masked_scores(case, qb, kb, slopes_b, prefix=0):
 
 
 def _row_softmax(case, qb, kb, s, b):
-    """float64 probabilities (H, lq, lk) and lse (H, lq) of sequence s's rows (API.md 11 included)."""
+    """float64 probabilities (H, lq, lk) and lse (H, lq) of sequence s's rows (docs/api.md section 11 included)."""
     slopes = None if b["slopes"] is None else b["slopes"].detach().double()
     prefix = 0 if b.get("prefix_lens") is None else int(b["prefix_lens"][s])
     sc, keep = _masked_scores(case, qb, kb, None if slopes is None else (slopes if slopes.dim() == 1 else slopes[s]),
@@ -1431,7 +1431,7 @@ class Stats:
         keys = [case["backend"], f"{case['backend']}/{case['entry']}"]
         if case.get("scores") == "large":   # issue 21's large-logit mode, counted apart too
             keys += ["large", f"large/{case['backend']}"]
-        if _has_options(case):              # API.md 11's options, counted apart too
+        if _has_options(case):              # docs/api.md section 11's options, counted apart too
             keys += ["options", f"options/{case['backend']}"]
         for key in keys:
             r = self.rows[key]
@@ -1545,7 +1545,7 @@ def main(argv=None):
     parser.add_argument("--entry", choices=ENTRIES, default=None)
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="large: every case has large logits (default: a share LARGE_SHARE of them); "
-                             "options: every case draws API.md 11's sinks/chunk_size/prefix_lens (default: a share "
+                             "options: every case draws docs/api.md section 11's sinks/chunk_size/prefix_lens (default: a share "
                              "OPTIONS_SHARE)")
     parser.add_argument("--verbose", action="store_true", help="print each case before running it")
     parser.add_argument("--chunk", type=int, default=0, help="run chunks of this many cases in child processes")

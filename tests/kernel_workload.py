@@ -7,7 +7,7 @@ against MATH.
 
 Paths: forward tiles (several key blocks, query chunks, GQA, odd D, Dv != D, every option),
 direct decode rows, windows past the keys (top-left through ``sdpa``, Lq > Lk, Lk = 0), the
-issue-11 repros, NaN rows, the backward, the paged forward and backward; each with API.md 11's
+issue-11 repros, NaN rows, the backward, the paged forward and backward; each with docs/api.md section 11's
 chunk_size, prefix_lens and sinks too (the ``sinks_chunk_prefix_*`` cases: prefix_lens and sinks
 are placed like every other input). ``run(place)`` runs them all in this
 process, printing each case before it runs (a crash names its case).
@@ -40,7 +40,7 @@ def _randn(gen, *shape, dtype):
 
 
 def _add_options(x, gen, dtype, hq, prefix, sinks, grad=False):
-    """API.md 11's tensors: prefix_lens (a list, or None) and sinks ((Hq,) in the call's dtype)."""
+    """docs/api.md section 11's tensors: prefix_lens (a list, or None) and sinks ((Hq,) in the call's dtype)."""
     if prefix is not None:
         x["prefix"] = torch.tensor(prefix, dtype=torch.int32)
     if sinks:
@@ -202,7 +202,7 @@ CASES = {
     "paged_backward": _paged_backward_case([9, 3, 1, 0, 70], [40, 37, 0, 5, 70], 16, 4, 2, 24, causal=True,
                                            window_size=(30, 0)),
     "paged_backward_odd_blocks": _paged_backward_case([3, 2, 1], [5, 12, 33], 5, 2, 2, 8, softcap=2.0),
-    # API.md 11: chunks starting inside and at key blocks, prefixes past a row's other keys, sinks.
+    # docs/api.md section 11: chunks starting inside and at key blocks, prefixes past a row's other keys, sinks.
     "sinks_chunk_prefix_tiles": _varlen_case([70, 9, 0, 3, 130], [130, 0, 5, 70, 65], 4, 2, 33, 20,
                                              alibi="per_head", causal=True, window_size=(40, 3), softcap=5.0,
                                              chunk_size=48, prefix=[60, 0, 5, 2, 65], sinks=True),

@@ -3,7 +3,7 @@
 It is deliberately boring: an explicit loop over sequences, query rows' aligned positions written
 out once, an explicit boolean mask. Rows that see no key give out 0 and lse -inf.
 
-API.md section 11, written from the contract's formulas (not from jagged_sdpa's position code):
+docs/api.md section 11, written from the contract's formulas (not from jagged_sdpa's position code):
 ``chunk_size`` C keeps (query, key) pairs whose chunk ids, Python's floor division of the aligned
 position and of the key position by C, agree; ``prefix_lens`` P_b additionally shows every key
 j < P_b to the rows at aligned positions < P_b; ``sinks`` add e^{sink_h} to every row's
@@ -37,7 +37,7 @@ def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
 
 
 def chunk_prefix_mask(keep, len_q, len_k, *, alignment, chunk_size=None, prefix=0):
-    """``keep`` (Lq, Lk) with API.md 11's chunk rule ANDed in and the prefix rule ORed in."""
+    """``keep`` (Lq, Lk) with docs/api.md section 11's chunk rule ANDed in and the prefix rule ORed in."""
     shift = len_k - len_q if alignment == "bottom_right" else 0
     keep = keep.clone()
     for i in range(len_q):
@@ -60,7 +60,7 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
     multiplied by 1 / (1 - dropout_p) before the product with V. The lse does not see dropout.
 
     ``sinks`` (Hq,) (differentiable: pass a float64 leaf for its gradient), ``chunk_size`` (int or
-    None), ``prefix_lens`` (a list or int tensor of B prefix lengths): API.md section 11. Dropout
+    None), ``prefix_lens`` (a list or int tensor of B prefix lengths): docs/api.md section 11. Dropout
     scales the key probabilities only.
 
     Returns (out float64 (total_q, Hq, Dv), lse float64 (Hq, total_q)).

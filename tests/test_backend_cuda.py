@@ -461,7 +461,7 @@ def test_flash_marshalling(fake_flash, case):
 
 # issue 23 item 1: flash's two window rewrites, Lq = 6, Lk = 2 (max_seqlen_k 2). "applied" is what
 # flash_api.cpp makes of the window when it is passed through unchanged; "rows" are the rows whose
-# keys then differ from API.md's window.
+# keys then differ from docs/api.md's window.
 ISSUE_23_WINDOWS = {
     (1, -1): {"applied": (1, 2), "rows": [0, 1, 2]},
     (-1, 2): {"applied": (-1, -1), "rows": [0, 1, 2]},
@@ -471,7 +471,7 @@ ISSUE_23_WINDOWS = {
 
 
 def _row_keys(len_q, len_k, i, causal, window):
-    """The keys row i sees, bottom-right (API.md): a range, as a tuple (empty when none)."""
+    """The keys row i sees, bottom-right (docs/api.md): a range, as a tuple (empty when none)."""
     pos = i + len_k - len_q
     lo = 0 if window[0] < 0 else max(0, pos - window[0])
     hi = len_k - 1
@@ -497,7 +497,7 @@ def test_flash_model_reproduces_the_issue_23_rewrites(window):
 @pytest.mark.usefixtures("available")
 @pytest.mark.parametrize("window", ISSUE_23_WINDOWS, ids=str)
 def test_flash_window_survives_the_op_rewrites(fake_flash, window):
-    """Forward and backward of the issue's cases through the fake op match API.md's window."""
+    """Forward and backward of the issue's cases through the fake op match docs/api.md's window."""
     call = varlen_call([6, 3], [2, 2], 2, 2, 16, window_size=window)
     check_against_reference(FlashVarlenBackend, call)
     max_q, max_k = fake_flash.calls[0]["max_q"], fake_flash.calls[0]["max_k"]
@@ -508,7 +508,7 @@ def test_flash_window_survives_the_op_rewrites(fake_flash, window):
 def test_flash_window_arguments_give_the_contract_mask_everywhere():
     """Every small batch shape, window and causal flag: what the ops make of the arguments
     FLASH_VARLEN passes (``flash_kernel_window``, forward and backward rules) keeps, row by row,
-    the keys API.md's window keeps."""
+    the keys docs/api.md's window keeps."""
     from test_capability import cuda_spec
 
     sides = (-1, 0, 1, 2, 3, 5, 8)

@@ -623,7 +623,7 @@ def test_one_hot_gradients_at_large_logits(case):
 
 
 # ---------------------------------------------------------------------------------------------------
-# dense KV cache read in place (API.md 12): a paged call of one block of S slots per sequence
+# dense KV cache read in place (docs/api.md section 12): a paged call of one block of S slots per sequence
 
 
 def _dense_cache(used, leftpad, s, hkv, d, dv, dtype):

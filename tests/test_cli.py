@@ -51,7 +51,7 @@ def test_explain_builds_the_spec_the_call_builds():
 
 
 def test_explain_takes_section_11_options(capsys):
-    """--sinks, --chunk-size and --prefix-lens describe API.md 11's options; bad values are refused
+    """--sinks, --chunk-size and --prefix-lens describe docs/api.md section 11's options; bad values are refused
     by the call's own checks, named as the flags."""
     assert main(["explain", "--lengths", "5,17,30", "--causal", "--sinks", "--chunk-size", "8", "--prefix-lens",
                  "2,0,7", "--requires-grad", "--backend", "math"]) == 0

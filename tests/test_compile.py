@@ -1,4 +1,4 @@
-"""torch.compile and the torch.library operators (API.md section 7).
+"""torch.compile and the torch.library operators (docs/api.md section 7).
 
 - ``torch.library.opcheck`` on every operator: schema, fake implementation against the real one,
   autograd registration, AOT dispatch with dynamic shapes.

@@ -1,6 +1,6 @@
 """jagged_sdpa.distributed with in-process ranks (threads in lockstep, local.run_local): every
 rank's out, lse, dq, dk, dv against the single-process call (bitwise for Ulysses on the CPU
-without KV replication) and the float64 reference, over the options of API.md section 9."""
+without KV replication) and the float64 reference, over the options of docs/api.md section 9."""
 
 from __future__ import annotations
 

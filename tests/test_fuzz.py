@@ -178,7 +178,7 @@ def test_paged_backward_with_huge_logits_runs_in_the_compiled_kernel(seed, index
 
 
 def test_options_mode_draws_every_option_and_keeps_the_other_draws(monkeypatch):
-    """API.md 11 in the fuzzer: --mode options gives every case of the entries that take them at
+    """docs/api.md section 11 in the fuzzer: --mode options gives every case of the entries that take them at
     least one of sinks (some with a gradient), chunk_size and prefix_lens; the default mode draws
     them for a share of the cases without changing anything else those cases draw."""
     cases = [fuzz.make_case(4, i, mode="options") for i in range(300)]

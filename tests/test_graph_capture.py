@@ -1,7 +1,7 @@
 """CUDA-graph capture and replay, modelled on the CPU.
 
 A captured call replays its kernels on the buffers it read while being captured, and nothing else
-runs: no host code, so no checks a later eager call would make. The contract (API.md sections 10
+runs: no host code, so no checks a later eager call would make. The contract (docs/api.md sections 10
 and 12): a call made without a host read (an accelerator given its max lengths) hands its backend
 the caller's metadata tensors themselves (``varlen_attention``) or the plan's own buffers, which
 ``update`` refills in place (``plan.run``); and its device-side checks are queued on those tensors

@@ -1,4 +1,4 @@
-"""Plans (API.md section 10): a batch validated once, run in every layer.
+"""Plans (docs/api.md section 10): a batch validated once, run in every layer.
 
 ``plan.run`` must return what ``varlen_attention`` returns on the same backend, bit for bit,
 forward and backward; a plan keeps its own copy of the metadata; ``update`` points it at a new

@@ -105,7 +105,7 @@ def test_empty_sequence_in_njt():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_agrees_with_torch_njt_sdpa(dtype):
-    """API.md: for every input PyTorch's NJT SDPA accepts, results agree with it."""
+    """docs/api.md: for every input PyTorch's NJT SDPA accepts, results agree with it."""
     q, k, v = njt([5, 17, 2], 2, 16, dtype), njt([5, 17, 2], 2, 16, dtype), njt([5, 17, 2], 2, 16, dtype)
     ours = jagged_sdpa.sdpa(q, k, v)
     theirs = F.scaled_dot_product_attention(q, k, v)

@@ -1,4 +1,4 @@
-"""API.md section 11: attention sinks, chunked attention (chunk_size) and prefix-LM (prefix_lens).
+"""docs/api.md section 11: attention sinks, chunked attention (chunk_size) and prefix-LM (prefix_lens).
 
 - MATH against the float64 reference (tests/reference.py, written from the contract's formulas),
   forward (out, lse) and backward (dq, dk, dv, and the sinks' gradient by float64 autograd of the

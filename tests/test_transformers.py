@@ -348,7 +348,7 @@ def test_import_error_without_transformers(monkeypatch):
 
 
 def test_padding_free_compiles_fullgraph(models):
-    """API.md section 8: padding-free mode compiles with fullgraph=True (Inductor), equal to eager.
+    """docs/api.md section 8: padding-free mode compiles with fullgraph=True (Inductor), equal to eager.
     The integration passes the collator's max lengths as ints and reads no tensor data on that path."""
     _, jagged = models("llama")
     seqs = _sequences()
@@ -414,7 +414,7 @@ def test_one_batch_validation_per_forward_not_per_layer(models, family, masks, m
 
 
 def test_gpt_oss_sinks_equal_eager():
-    """Issue 20: gpt-oss passes learned per-head sinks as ``s_aux``; "jagged" runs them (API.md 11,
+    """Issue 20: gpt-oss passes learned per-head sinks as ``s_aux``; "jagged" runs them (docs/api.md section 11,
     on MATH until a kernel takes sinks) with its sliding-window layers: logits, the sinks' gradient
     and greedy generation equal "eager" on each sequence alone."""
     from transformers import GptOssConfig
@@ -504,7 +504,7 @@ def _in_place_check_name() -> str:
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_decode_reads_the_cache_in_place(models, family, cache, padding):
-    """API.md section 12 in transformers: every decode step reads each layer's cache where it lies
+    """docs/api.md section 12 in transformers: every decode step reads each layer's cache where it lies
     (no gather of K/V, no scatter of the output), left-padded or not, dynamic or static cache, full
     and sliding layers; tokens equal eager's on each prompt alone. Right padding leaves padding
     between the prompt and the new tokens (holes), which the in-place form cannot express: it falls

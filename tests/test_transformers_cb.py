@@ -1,4 +1,4 @@
-"""Continuous batching (API.md section 8, issue 19 item 4): jt.enable_continuous_batching().
+"""Continuous batching (docs/api.md section 8, issue 19 item 4): jt.enable_continuous_batching().
 
 transformers' ``generate_batch`` with jagged attention in the "sdpa" entry against the same call with
 transformers' own SDPA (and against plain per-sequence ``generate``): greedy tokens identical, log

@@ -87,7 +87,7 @@ class BackendImpl:
         """Gradients (dq, dk, dv) in the shapes and dtypes of call.q/k/v (dk/dv cache-shaped when
         paged), then dslopes in the shape of call.alibi_slopes when ``spec.alibi_grad`` (only
         backends whose caps allow ``alibi_slopes_grad`` see such calls), then dsinks in the sinks'
-        shape and dtype when ``spec.sinks_grad`` (API.md 11): (dq, dk, dv[, dslopes][, dsinks]).
+        shape and dtype when ``spec.sinks_grad`` (docs/api.md section 11): (dq, dk, dv[, dslopes][, dsinks]).
         out, lse (float32) and state are the forward's; grad_out is contiguous."""
         raise NotImplementedError
 

@@ -18,7 +18,7 @@ shared blocks accumulate deterministically.
 fp16/bf16 are computed in float32 and rounded once at the end. Rows that see no key give 0 and lse
 -inf, never NaN.
 
-API.md section 11: ``sinks`` add e^{sink_h} to every row's softmax denominator (the lse includes
+docs/api.md section 11: ``sinks`` add e^{sink_h} to every row's softmax denominator (the lse includes
 it; a row that sees no key keeps out 0 and lse sink_h); their gradient is
 dsink_h = -sum_i p_sink,i * rowsum(dP o P)_i (that rowsum is dO_i . O_i), summed per block.
 ``chunk_size`` and ``prefix_lens`` are position rules (``positions``): blocks see exactly the key
@@ -127,7 +127,7 @@ def _sink_heads(spec: AttnSpec, sinks: Optional[Tensor], ct: torch.dtype) -> Opt
 
 def block_probs(spec: AttnSpec, qh: Tensor, kh: Tensor, slopes: Optional[Tensor], shift: int, block: Block,
                 keep_tanh: bool = False, prefix: int = 0, sinks: Optional[Tensor] = None) -> Probs:
-    """The score rule, in API.md's order, once for forward and backward: S0 = scale * Q K^T, the
+    """The score rule, in docs/api.md's order, once for forward and backward: S0 = scale * Q K^T, the
     softcap cap * tanh(S0 / cap), ALiBi's -slope * |i' - j|, the causal/window/chunk/prefix masks,
     softmax (with ``sinks`` (Hq,): one more logit per head in the denominator, not scaled).
     GQA by broadcasting query groups against their kv head (no expanded K/V)."""
@@ -275,7 +275,7 @@ class Sequence(NamedTuple):
     k: Tensor
     v: Tensor
     key_rows: KeyRows
-    prefix: int = 0          # P_b of prefix_lens (API.md 11), 0 without
+    prefix: int = 0          # P_b of prefix_lens (docs/api.md section 11), 0 without
 
 
 def paged_slots(call: PackedCall, b: int, length: int) -> Tensor:

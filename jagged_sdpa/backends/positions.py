@@ -1,10 +1,10 @@
-"""The position rules of API.md 5b in torch ops, written once (MATH runs them; tests/reference.py is independent).
+"""The position rules of docs/api.md section 5b in torch ops, written once (MATH runs them; tests/reference.py is independent).
 
 A query row's aligned position is i' = i (top_left) or i + Lk - Lq (bottom_right). Causal keeps
 keys j <= i'; a window keeps i' - left <= j <= i' + right (-1 unbounded); ALiBi adds
 -slope * |i' - j|. Callers pass the rows and keys they work on (a whole sequence or one block).
 
-API.md section 11: chunked attention (``chunk_size`` C) also requires j // C == i' // C (floor
+docs/api.md section 11: chunked attention (``chunk_size`` C) also requires j // C == i' // C (floor
 division: a negative i' is in chunk -1, which holds no key); a prefix P of the sequence
 (``prefix_lens``) lets rows with i' < P also see every key j < P, whatever the other masks say:
 

@@ -50,9 +50,9 @@ class Capabilities:
     head_dim_v_differs: bool = True
     empty_sequences: bool = True
     paged: bool = False
-    dense_cache: bool = False         # a dense (B, S, Hkv, D) cache read in place (API.md 12)
+    dense_cache: bool = False         # a dense (B, S, Hkv, D) cache read in place (docs/api.md section 12)
     seqused_k: bool = True
-    # API.md section 11. Off unless declared: a backend applies these only once it says so.
+    # docs/api.md section 11. Off unless declared: a backend applies these only once it says so.
     sinks: bool = False               # per-head sink logits (forward, and backward with ``backward``)
     sinks_grad: bool = False          # differentiates the sinks themselves
     chunked: bool = False             # chunk_size
@@ -123,19 +123,19 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield f"zero-length sequences not supported{known}"
     if spec.dense_cache:
         if not caps.dense_cache:
-            yield "dense KV cache read in place (seqused_k/cache_leftpad, API.md 12) not supported"
+            yield "dense KV cache read in place (seqused_k/cache_leftpad, docs/api.md section 12) not supported"
     elif spec.paged and not caps.paged:
         yield "paged KV cache (block_table) not supported"
     if spec.seqused_k and not caps.seqused_k:
         yield "seqused_k not supported"
     if spec.sinks and not caps.sinks:
-        yield "sinks not supported (attention sinks, API.md 11)"
+        yield "sinks not supported (attention sinks, docs/api.md section 11)"
     if spec.sinks_grad and caps.sinks and not caps.sinks_grad:
         yield "sinks requires grad: no gradient for the sinks here"
     if spec.chunk_size is not None and not caps.chunked:
-        yield f"chunk_size {spec.chunk_size} not supported (chunked attention, API.md 11)"
+        yield f"chunk_size {spec.chunk_size} not supported (chunked attention, docs/api.md section 11)"
     if spec.prefix and not caps.prefix:
-        yield "prefix_lens not supported (prefix-LM, API.md 11)"
+        yield "prefix_lens not supported (prefix-LM, docs/api.md section 11)"
 
 
 def capability_reasons(spec: AttnSpec, caps: Capabilities) -> tuple[Reason, ...]:

@@ -95,7 +95,7 @@ def validate_window(window_size) -> tuple[int, int]:
 
 
 def validate_chunk_size(chunk_size) -> Optional[int]:
-    """chunk_size (API.md 11): a positive int, or None (off)."""
+    """chunk_size (docs/api.md section 11): a positive int, or None (off)."""
     if chunk_size is None:
         return None
     if not _is_int(chunk_size):
@@ -106,7 +106,7 @@ def validate_chunk_size(chunk_size) -> Optional[int]:
 
 
 def validate_sinks(sinks, heads_q: int, device: torch.device) -> bool:
-    """sinks (API.md 11): a dense float (Hq,) tensor on q's device; returns whether given."""
+    """sinks (docs/api.md section 11): a dense float (Hq,) tensor on q's device; returns whether given."""
     if sinks is None:
         return False
     validate_tensor("sinks", sinks)
@@ -122,7 +122,7 @@ def validate_sinks(sinks, heads_q: int, device: torch.device) -> bool:
 
 
 def validate_prefix_lens(prefix_lens, batch: int, device: torch.device) -> None:
-    """prefix_lens (API.md 11): int32 (B,) on the batch's device (contents: ``batch.build``)."""
+    """prefix_lens (docs/api.md section 11): int32 (B,) on the batch's device (contents: ``batch.build``)."""
     if prefix_lens is None:
         return
     validate_tensor("prefix_lens", prefix_lens)
@@ -325,7 +325,7 @@ def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
     """Kinds, dtypes, shapes and devices of a batch's metadata (``plan`` has no q to compare).
 
     Three forms of keys: packed (``cu_seqlens_k``), a paged cache (``block_table``) and a dense
-    cache (neither: API.md 12), the last two with ``seqused_k``."""
+    cache (neither: docs/api.md section 12), the last two with ``seqused_k``."""
     validate_tensor("cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.dtype != torch.int32:
         raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")

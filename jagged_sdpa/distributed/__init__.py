@@ -1,4 +1,4 @@
-"""Context parallelism over ``torch.distributed`` for packed ragged batches (API.md section 9).
+"""Context parallelism over ``torch.distributed`` for packed ragged batches (docs/api.md section 9).
 
 ``plan_shards`` decides which rank owns which rows; ``varlen_attention`` runs exact attention
 over all of them (all-gather of the keys each rank needs, or Ulysses' all-to-all over heads);

@@ -30,7 +30,7 @@ own eager mask instead, carrying the same unpadding data. What jagged attention 
 with a ValueError at the first call: an indexer's top-k ``indices``, compressed-KV layers
 (``config.compress_rates``), a 4-D mask the model computed or edited itself.
 
-Mask overlays (API.md section 11). The mask hook reads transformers' ``mask_function`` (its closures and
+Mask overlays (docs/api.md section 11). The mask hook reads transformers' ``mask_function`` (its closures and
 code objects, ``_read_mask_function``; nothing is evaluated) and carries what it finds with the mask to
 ``varlen_attention``'s options; a mask without padding is then returned anyway, as a marker. Each equals
 "eager" on every sequence alone (tests/test_transformers_overlays.py):
@@ -127,11 +127,11 @@ class _Unpad:
     keys_only: bool = False
     # what the mask's overlays add (see _Overlay): they replace or join the module's own options
     window: tuple | None = None  # (left, right): replaces the window the module's sliding_window gives
-    chunk: int | None = None  # chunk_size (API.md 11); the keys before each row's first chunk are dropped
-    prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (API.md 11)
+    chunk: int | None = None  # chunk_size (docs/api.md section 11); the keys before each row's first chunk are dropped
+    prefix_lens: torch.Tensor | None = None  # int32 (B,): prefix-LM (docs/api.md section 11)
     packed: bool = False  # eager separates packed sequences (position_ids restarting, no cache)
     checks: tuple = ()  # the ints read with the lengths (see _unpad_from_validity)
-    # The cache read in place (API.md 12): each row's valid keys are the slots
+    # The cache read in place (docs/api.md section 12): each row's valid keys are the slots
     # [cache_leftpad[b], cache_leftpad[b] + seqused_k[b]); usable when there are no holes and every
     # query row is real (``queries_full``), with ``cu_seqlens_full`` over all B * Q query rows.
     seqused_k: torch.Tensor | None = None
@@ -822,7 +822,7 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     dropout_p = float(dropout) if module.training else 0.0
     options = dict(dropout_p=dropout_p, softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=float(softcap) if softcap else 0.0)
-    if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (API.md 11)
+    if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (docs/api.md section 11)
         options["sinks"] = kwargs["s_aux"]
     packed_by_eager = False
     if info is not None:  # the mask's overlays (see _Overlay)
@@ -863,7 +863,7 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         if info.queries_full or (info.queries_left_padded and causal and "prefix_lens" not in options):
             # every query row is real (or a left-padded prompt's, which sees no key under causal
             # masking) and each row's keys are one run of cache slots: read the cache where it lies
-            # (API.md 12), no gather of K/V and no scatter of the output
+            # (docs/api.md section 12), no gather of K/V and no scatter of the output
             out = varlen_attention(query.transpose(1, 2).reshape(B * Q, Hq, D), k, v, info.cu_seqlens_full, None,
                                    Q, info.max_seqlen_k, seqused_k=info.seqused_k, cache_leftpad=info.cache_leftpad,
                                    **options)
@@ -897,7 +897,7 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "model does not hand position_ids to its attention; pass DataCollatorWithFlattening's "
                 "cu_seq_lens_q/k and max_length_q/k (return_flash_attn_kwargs=True), or pad the batch"
             )
-        elif K > Q:  # decoding without padding: the cache is read where it lies (API.md 12)
+        elif K > Q:  # decoding without padding: the cache is read where it lies (docs/api.md section 12)
             cu_q, used = _dense_lengths(B, Q, K, query.device)
             out = varlen_attention(q.reshape(B * Q, Hq, D), k, v, cu_q, None, Q, K, seqused_k=used, **options)
             return out.view(B, Q, Hq, Dv), None
@@ -1019,7 +1019,7 @@ def register(name: str = DEFAULT_NAME) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Continuous batching (transformers' generate_batch / serve --continuous-batching): API.md section 8.
+# Continuous batching (transformers' generate_batch / serve --continuous-batching): docs/api.md section 8.
 #
 # transformers accepts only its built-in names there, so jagged attention goes in under "sdpa" (opt-in,
 # process-wide). Calls that carry a PagedAttentionCache run ragged attention with varlen_attention;
@@ -1029,7 +1029,7 @@ def register(name: str = DEFAULT_NAME) -> str:
 # Per step, once for each cache group (full / sliding attention), and shared by every layer of the
 # step: the group's lengths, its block table (derived from transformers' read indices and checked
 # against them) and the mode. Per layer: write the new K/V into the cache (transformers' own update,
-# write only) and attend. The per-step group is where a ``jagged_sdpa.plan`` (API.md section 10)
+# write only) and attend. The per-step group is where a ``jagged_sdpa.plan`` (docs/api.md section 10)
 # slots in: built in ``_cb_group`` with the group's cu_seqlens_q/block_table/seqused_k/max lengths and
 # causal/window, then ``plan.run(q, k_pages, v_pages)`` in ``_cb_attend`` instead of varlen_attention.
 

@@ -3,7 +3,7 @@ CPU tensors in fp32/fp16/bf16.
 
 One kernel call runs the forward of the whole ragged batch and one its backward, with every option:
 packed keys, or a paged or dense cache read in place (the backward sums the dK/dV of shared cache blocks),
-dropout with ``keyed_dropout``'s masks, and API.md 11's sinks (with their gradient), chunk_size and
+dropout with ``keyed_dropout``'s masks, and docs/api.md section 11's sinks (with their gradient), chunk_size and
 prefix_lens. What the kernel cannot run, this backend refuses with the reason, and selection moves on
 (to MATH on the CPU): float64 (the kernel computes in float32), head dims above
 ``native.MAX_HEAD_DIM``, a backward whose scratch would be too large, the ALiBi slopes' own gradient,

@@ -327,14 +327,14 @@ def _int32(t: Tensor) -> Tensor:
 
 
 def _sinks(call: PackedCall) -> Optional[Tensor]:
-    """The sinks (API.md 11) as the kernel reads them, float32 (Hq,) contiguous, or None."""
+    """The sinks (docs/api.md section 11) as the kernel reads them, float32 (Hq,) contiguous, or None."""
     if call.sinks is None:
         return None
     return call.sinks.detach().to(torch.float32).contiguous()
 
 
 def _prefix(call: PackedCall) -> Optional[Tensor]:
-    """prefix_lens (API.md 11) as the kernel reads them, int32 (B,) contiguous, or None."""
+    """prefix_lens (docs/api.md section 11) as the kernel reads them, int32 (B,) contiguous, or None."""
     return None if call.prefix_lens is None else _int32(call.prefix_lens)
 
 

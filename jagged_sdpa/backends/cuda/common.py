@@ -152,7 +152,7 @@ def row_geometry(cu_rows: Tensor, total_rows: int, len_q_seq: Tensor, len_k_seq:
 
 
 def aligned_query_position(geom: RowGeometry, alignment: str) -> Tensor:
-    """i' of API.md: the query index, shifted by Lk - Lq when bottom-right aligned."""
+    """i' of docs/api.md: the query index, shifted by Lk - Lq when bottom-right aligned."""
     if alignment == "bottom_right":
         return geom.pos + geom.len_k - geom.len_q
     return geom.pos
@@ -171,7 +171,7 @@ def visible_key_range(i: Tensor, len_k: Tensor, causal: bool, window: tuple[int,
 
 
 def empty_query_rows(geom: RowGeometry, spec: AttnSpec) -> Tensor:
-    """bool (total_q,): rows that see no key (output 0, lse -inf by API.md)."""
+    """bool (total_q,): rows that see no key (output 0, lse -inf by docs/api.md)."""
     lo, hi = visible_key_range(aligned_query_position(geom, spec.alignment), geom.len_k, spec.causal, spec.window)
     return lo > hi
 

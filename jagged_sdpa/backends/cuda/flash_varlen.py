@@ -9,7 +9,7 @@ build does not support alibi", measured on torch 2.11 / H100), dropout from the 
 generator with its
 (seed, offset) returned as ``rng_state``, ``seqused_k`` and a paged cache (``block_table``,
 block size a multiple of 256) in the forward only. lse is float32 (Hq, total_q) with +inf for
-rows that see no key (we report -inf, API.md); such rows' outputs are written as 0.
+rows that see no key (we report -inf, docs/api.md); such rows' outputs are written as 0.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class TritonBackend(BackendImpl):
         prefix=True,
         dense_cache=True,
         notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only",
-               "dense KV cache (API.md 12) read in place, forward and backward"),
+               "dense KV cache (docs/api.md section 12) read in place, forward and backward"),
     )
 
     @classmethod

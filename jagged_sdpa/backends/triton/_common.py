@@ -223,7 +223,7 @@ def mask_args(call) -> tuple[tuple[int, int, int, torch.Tensor], dict]:
 
 
 def sink_args(call) -> torch.Tensor:
-    """The sinks (Hq,) in float32 (API.md 11 computes them in float32), or a dummy without sinks."""
+    """The sinks (Hq,) in float32 (docs/api.md section 11 computes them in float32), or a dummy without sinks."""
     return call.sinks.to(torch.float32).contiguous() if call.spec.sinks else call.cu_seqlens_q
 
 

@@ -16,7 +16,7 @@ the keys and writes a float32 partial output and lse that ``plans.merge_splits``
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
-or per batch and head), sinks, chunk_size and prefix_lens (API.md 11; a sink joins each row's
+or per batch and head), sinks, chunk_size and prefix_lens (docs/api.md section 11; a sink joins each row's
 denominator after the key loop), dropout (``keyed_dropout``'s mask, ``_common._dropout_keep``),
 Dv != D, any head dim <= 256 (padded to a power of two and masked), zero-length sequences (zeros,
 lse -inf; lse = sink with sinks), seqused_k.
@@ -186,7 +186,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
-    PrefixLens, Sinks, CacheLeftpad,                     # int32 (B,), float32 (Hq,) (API.md 11), int32 (B,)
+    PrefixLens, Sinks, CacheLeftpad,                     # int32 (B,), float32 (Hq,) (docs/api.md section 11), int32 (B,)
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
     stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D), (blocks, size, Hkv, D) or (B, S, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,          # v, same with Dv

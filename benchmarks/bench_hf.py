@@ -13,6 +13,8 @@ contenders alike:
   generate  batched greedy generation (DynamicCache) from the left-padded prompts; new tokens/s and
             peak RSS, "jagged" against "sdpa" (eager's tokens are the reference; --time-eager times it);
             --dtype bfloat16 runs the models in bf16 (tokens checked against sdpa's).
+  static    transformers' fast-generation recipe (static cache, model.forward compiled fullgraph),
+            "jagged" against "sdpa" after a warm-up call; tokens checked equal.
   cb        continuous batching (model.generate_batch, paged cache, chunked prefill): transformers'
             "sdpa" against jagged attention in the "sdpa" entry (jt.enable_continuous_batching());
             --cb-prompts prompts of evenly spread lengths --cb-min-len..--cb-max-len (shuffled), greedy;
@@ -109,8 +111,9 @@ def main() -> None:
     parser.add_argument("--cb-page-size", type=int, default=64)
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    if not sections <= {"train", "generate", "cb"}:
-        raise SystemExit(f"--sections: unknown {sorted(sections - {'train', 'generate', 'cb'})}")
+    known = {"train", "generate", "static", "cb"}
+    if not sections <= known:
+        raise SystemExit(f"--sections: unknown {sorted(sections - known)}")
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
@@ -133,13 +136,15 @@ def main() -> None:
 
     if "cb" in sections:
         continuous_batching(args, models["sdpa"], torch.Generator().manual_seed(args.seed + 1))
-    if not sections & {"train", "generate"}:
+    if not sections & {"train", "generate", "static"}:
         return
 
     if "train" in sections:
         training(args, models, name, gen)
     if "generate" in sections:
         generation(args, models, name, torch.Generator().manual_seed(args.seed + 2))
+    if "static" in sections:
+        static_compiled(args, models, name, torch.Generator().manual_seed(args.seed + 2))
 
 
 def training(args, models, name, gen: torch.Generator) -> None:
@@ -241,6 +246,43 @@ def generation(args, models, name, gen: torch.Generator) -> None:
     for label, _ in timed_impls:
         g = statistics.median(times[label])
         print(f"{label:<10} {1e3 * g:>11.1f} {new_total / g:>12,.0f} {base / g:>7.2f}x {peaks[label]:>11.0f}")
+
+
+def static_compiled(args, models, name, gen: torch.Generator) -> None:
+    """transformers' fast-generation recipe: a static cache and ``model.forward`` compiled with
+    ``fullgraph=True``; "jagged" against "sdpa" under the same recipe, timed after a warm-up call
+    (which compiles), tokens checked equal."""
+    dtype = getattr(torch, args.dtype)
+    p_lengths = ragged_lengths(args.batch, args.prompt_max_len, gen)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in p_lengths]
+    p_ids, p_mask, _ = pad(prompts, "left")
+    print(f"\nstatic cache, model.forward compiled (fullgraph): {args.batch} prompts of {min(p_lengths)}-"
+          f"{max(p_lengths)} tokens, left-padded, {args.new_tokens} new tokens each, greedy, {args.dtype}")
+    compiled = {}
+    for impl in ("sdpa", name):
+        model = copy.deepcopy(models[impl]).eval().to(dtype)
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        compiled[impl] = model
+
+    def generate(impl):
+        with torch.no_grad():
+            return compiled[impl].generate(p_ids, attention_mask=p_mask, max_new_tokens=args.new_tokens,
+                                           do_sample=False, cache_implementation="static")
+
+    for _ in range(2):  # warm-up: compiles the prefill and decode graphs (the second call: a fresh cache's)
+        tokens = {impl: generate(impl) for impl in compiled}
+    if not torch.equal(tokens[name], tokens["sdpa"]):
+        raise SystemExit(f"{name}: generated tokens differ from sdpa's under the compiled static recipe")
+    times = {impl: [] for impl in compiled}
+    for _ in range(args.gen_rounds):
+        for impl in compiled:
+            times[impl].append(timed(lambda: generate(impl)))
+    base = statistics.median(times["sdpa"])
+    print(f"medians of {args.gen_rounds} interleaved rounds after the warm-up; tokens equal")
+    for impl in compiled:
+        g = statistics.median(times[impl])
+        print(f"{impl:<10} {1e3 * g:>11.1f} ms {args.batch * args.new_tokens / g:>10,.0f} new tokens/s "
+              f"{base / g:>7.2f}x")
 
 
 def continuous_batching(args, model, gen: torch.Generator) -> None:

@@ -239,17 +239,23 @@ struct F32 {
     static vf ld16(const T* p) { return loadu(p); }
     static T st(float x) { return x; }
 };
+// Arm's half type is __fp16 (IEEE binary16 on aarch64; g++ before 13 has no _Float16 in C++ there).
+#if defined(__aarch64__)
+typedef __fp16 half_t;
+#else
+typedef _Float16 half_t;
+#endif
 struct F16 {
-    typedef _Float16 T;
+    typedef half_t T;
     static float ld(const T* p) { return static_cast<float>(*p); }
     static vf ld16(const T* p) {
         return build([p](int i) {
-            typename Native<_Float16, JS_VEC_BYTES / 2>::type h;
+            typename Native<half_t, JS_VEC_BYTES / 2>::type h;
             std::memcpy(&h, p + i * NL, sizeof h);
             return __builtin_convertvector(h, nvf);
         });
     }
-    static T st(float x) { return static_cast<_Float16>(x); }
+    static T st(float x) { return static_cast<half_t>(x); }
 };
 struct BF16 {
     typedef uint16_t T;
@@ -662,6 +668,7 @@ struct RowRule {
 // S[RR rows][BK] = A[RR][d] . Bt[d][BK] (A rows lda apart): q.k^T, and dO.v^T in the backward.
 // Kept out of line (like pv_tile): inlined into the softmax code its 24 accumulators were
 // spilled, at half the speed.
+#if JS_VEC_BYTES == 64
 template <int RR>
 __attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
     vf acc[RR][4];
@@ -700,6 +707,39 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
     for (int r = 0; r < RR; ++r)
         for (int c = 0; c < NV; ++c) storeu(o + r * dvp + c * W, acc[r][c]);
 }
+#else
+// Narrower registers (AVX2: 16 ymm; NEON: 32 q): a vector is 2 (4) registers, so the tiles above
+// would want 48 (96) accumulators and spill. Here a tile is RR rows x one vector of columns (RR x 16
+// floats: 12 ymm accumulators for RR = 6, two loads of B and a broadcast a step, the shape of
+// BLIS's Haswell sgemm kernel; 24 q registers on NEON), repeated over the column chunks; A's rows
+// are re-read from L1 per chunk.
+template <int RR>
+__attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
+    for (int c = 0; c < BK / W; ++c) {
+        vf acc[RR];
+        for (int r = 0; r < RR; ++r) acc[r] = splat(0.f);
+        for (int64_t e = 0; e < d; ++e) {
+            const vf k = loadu(kt + e * BK + c * W);
+            for (int r = 0; r < RR; ++r) acc[r] += splat(qp[r * lda + e]) * k;
+        }
+        for (int r = 0; r < RR; ++r) storeu(s + r * BK + c * W, acc[r]);
+    }
+}
+
+template <int RR, int NV>
+__attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int nk, const float* vp, int64_t dvp,
+                                       float* o) {
+    for (int c = 0; c < NV; ++c) {
+        vf acc[RR];
+        for (int r = 0; r < RR; ++r) acc[r] = loadu(o + r * dvp + c * W) * splat(alpha[r]);
+        for (int j = 0; j < nk; ++j) {
+            const vf vv = loadu(vp + j * dvp + c * W);
+            for (int r = 0; r < RR; ++r) acc[r] += splat(pb[r * BK + j]) * vv;
+        }
+        for (int r = 0; r < RR; ++r) storeu(o + r * dvp + c * W, acc[r]);
+    }
+}
+#endif
 
 // Calls f(NV, c) over a row of `width` floats (a multiple of W) in chunks of at most 4 vectors:
 // NV (a std::integral_constant) is the chunk's vector count, c its first column.
@@ -1529,6 +1569,7 @@ constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transp
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
 
 // Acc[RR keys][NV*W chunk] += X^T[RR keys][rows] . B[rows][chunk]: X is (rows x BK), keys j0..
+#if JS_VEC_BYTES == 64
 template <int RR, int NV>
 __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
                                         int64_t ldo) {
@@ -1546,6 +1587,23 @@ __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const 
     for (int k = 0; k < RR; ++k)
         for (int c = 0; c < NV; ++c) storeu(acc_out + k * ldo + c * W, acc[k][c]);
 }
+
+#else
+// As pv_tile: RR keys x one vector of columns a pass (12 ymm accumulators for RR = 6).
+template <int RR, int NV>
+__attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
+                                        int64_t ldo) {
+    for (int c = 0; c < NV; ++c) {
+        vf acc[RR];
+        for (int k = 0; k < RR; ++k) acc[k] = loadu(acc_out + k * ldo + c * W);
+        for (int r = 0; r < rows; ++r) {
+            const vf bb = loadu(b + r * ldb + c * W);
+            for (int k = 0; k < RR; ++k) acc[k] += splat(x[r * BK + j0 + k]) * bb;
+        }
+        for (int k = 0; k < RR; ++k) storeu(acc_out + k * ldo + c * W, acc[k]);
+    }
+}
+#endif
 
 template <int RR>
 void tpv_cols(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out, int64_t width) {

@@ -140,3 +140,20 @@ def test_options_rows_time_the_same_call_with_and_without_sinks_chunks_and_prefi
     assert re.search(r"^\| small bfloat16 causal fwd\+bwd \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| 1\.\d\d \| [\d.]+x \|$",
                      out, re.M), out
     assert "sinks + chunk_size + prefix_lens <= 1.10x the plain call (issue 20)" in text and "chunk 299" in text
+
+
+def test_each_row_names_the_builds_instruction_set_and_tile():
+    """Issue 30: every row prints the build's instruction set and the tile its products run on
+    (the kernel's own js_tile_shape), decode rows as direct rows."""
+    bench = _bench()
+    from workloads import W1, W4, W5
+
+    if native.library() is None:
+        pytest.skip("no compiled kernel here")
+    shape = native.tile_shape()
+    assert re.match(r"(AVX-512|AVX2\+FMA|AVX|NEON|128-bit vectors): 6 rows x \d+ columns", shape), shape
+    assert bench.isa_tile(W1) == shape and bench.isa_tile(W4).startswith("direct rows")
+    if "avx512f" not in native.build_target() and "avx2" in native.build_target():
+        assert shape.startswith("AVX2+FMA: 6 rows x 16 columns (12 ymm")
+    if not native.library().js_bf16_tiles():
+        assert bench.isa_tile(W5) == shape

@@ -1152,8 +1152,26 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
         _mm512_mask_storeu_ps(s, lanes16(n), sum16(acc));
     }
 #else
+    // Narrower registers: dot() of four pairs at once (its order of adds per pair, so the same
+    // bits whatever a pair's slot), four independent chains of FMAs where one left the FMA units
+    // waiting on its latency.
     (void)scale;
-    for (int i = 0; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        vf acc[4];
+        for (int k = 0; k < 4; ++k) acc[k] = splat(0.f);
+        int64_t e = 0;
+        for (; e + W <= d; e += W) {
+            const vf q0 = OneQ ? loadu(qp[0] + e) : splat(0.f);
+            for (int k = 0; k < 4; ++k) acc[k] += (OneQ ? q0 : loadu(qp[i + k] + e)) * IO::ld16(kp[i + k] + e);
+        }
+        for (int k = 0; k < 4; ++k) {
+            float tail = 0.f;
+            for (int64_t t = e; t < d; ++t) tail += qp[i + k][t] * IO::ld(kp[i + k] + t);
+            s[i + k] = hsum(acc[k]) + tail;
+        }
+    }
+    for (; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
 #endif
 }
 
@@ -1203,10 +1221,23 @@ inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T
         }
     }
 #else
+    // Narrower registers: 64 columns of O in registers (8 ymm, 16 q) over the block's keys, where
+    // a load and a store of O per key and vector left decoding bound by L1; the same adds per column.
     (void)pbh;
+    int64_t c = 0;
+    for (; c + 4 * W <= dv; c += 4 * W) {
+        vf acc[4];
+        for (int i = 0; i < 4; ++i) acc[i] = loadu(o + c + i * W);
+        for (int j = 0; j < nb; ++j) {
+            const vf pj = splat(ph[j]);
+            const typename IO::T* x = vr[j] + off + c;
+            for (int i = 0; i < 4; ++i) acc[i] += pj * IO::ld16(x + i * W);
+        }
+        for (int i = 0; i < 4; ++i) storeu(o + c + i * W, acc[i]);
+    }
     for (int j = 0; j < nb; ++j) {
         const typename IO::T* x = vr[j] + off;
-        int64_t e = 0;
+        int64_t e = c;
         for (; e + W <= dv; e += W) storeu(o + e, loadu(o + e) + splat(ph[j]) * IO::ld16(x + e));
         for (; e < dv; ++e) o[e] += ph[j] * IO::ld(x + e);
     }
@@ -2398,6 +2429,22 @@ extern "C" int js_bf16_tiles() {
     return JS_BF16_DOT;
 }
 
+// The float32 micro-tile this build multiplies with (query rows x columns a pass, in registers of
+// the build's width): bench_cpu.py prints it per row beside the instruction set.
+extern "C" const char* js_tile_shape() {
+#if JS_VEC_BYTES == 64
+    return "AVX-512: 6 rows x 64 columns (24 zmm accumulators)";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "AVX2+FMA: 6 rows x 16 columns (12 ymm accumulators)";
+#elif defined(__AVX__)
+    return "AVX: 6 rows x 16 columns (12 ymm accumulators, no FMA)";
+#elif defined(__ARM_NEON)
+    return "NEON: 6 rows x 16 columns (24 q accumulators)";
+#else
+    return "128-bit vectors: 6 rows x 16 columns (24 accumulators)";
+#endif
+}
+
 // The instruction sets the compiler was allowed to use here (-march), named as in /proc/cpuinfo:
 // native.py refuses to load a library whose target this CPU cannot run, and reports the list.
 extern "C" const char* js_build_isa() {
@@ -2434,6 +2481,9 @@ extern "C" const char* js_build_isa() {
 #endif
 #if defined(__AVX512F__)
         " avx512f"
+#endif
+#if defined(__ARM_NEON)
+        " asimd"
 #endif
 #if defined(__AVX512DQ__)
         " avx512dq"

@@ -42,12 +42,15 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^# cpu: .+; \d+ CPUs usable .+torch threads 1$", out, re.M), out[:2000]
     assert "# vector extensions: " in out and "# compiled kernel: -march=" in out
-    assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32)", out, re.M), out[:2000]
+    assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32).*; fp32 tile: .+ rows x", out, re.M), \
+        out[:2000]
     for dtype in ("float32", "bfloat16"):
         assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
-    assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| [\d.]+ \| "
+    assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| direct rows, 16 keys a "
+                     r"block \([\w.+-]+\) \| [\d.]+ \| "
                      r"\d+ \| \d+ \(\d+%\) \|", out, re.M), out
-    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, (AVX512-BF16|fp32 FMA \([\w.-]+\)) \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, (AVX512-BF16|fp32 FMA \([\w.-]+\)) \| direct rows[^|]+\| [\d.]+ \|", out,
+                     re.M), out
     assert re.search(r"^# W4 bfloat16 fwd: reading its K/V once", out, re.M), out
     assert re.search(r"^# W4 fwd: reading its K/V once \(k.sum\(\) \+ v.sum\(\)\) [\d.]+ ms, ours [\d.]+x that$", out,
                      re.M), out

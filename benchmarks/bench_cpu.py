@@ -133,6 +133,23 @@ def kernel_path(w: Workload) -> str:
     return f"{fwd} fwd, {fwd} bwd"
 
 
+def isa_tile(w: Workload) -> str:
+    """The build's instruction set and the micro-tile that runs this row's products (issue 30): the
+    kernel's own answers (js_tile_shape, js_bf16_tiles); decode rows run as direct rows, without
+    tiles."""
+    lib = native.library()
+    if lib is None:
+        return "-"
+    if all(n <= native.DIRECT_ROWS for n in w.q_lengths):
+        return f"direct rows, 16 keys a block ({_vector_width()})"
+    tiles = lib.js_bf16_tiles() if w.dtype == torch.bfloat16 else 0
+    if tiles == 2:
+        return "AMX: 16 rows x 16 columns a tile (tdpbf16ps)"
+    if tiles == 1:
+        return "AVX512-BF16: 6 rows x 64 columns (24 zmm accumulators, vdpbf16ps)"
+    return native.tile_shape()
+
+
 def machine_lines() -> list[str]:
     """What this run ran on: CPU model, vector extensions, CPUs and threads, software versions."""
     info = _cpuinfo()
@@ -154,7 +171,7 @@ def machine_lines() -> list[str]:
         f"MKL {'yes' if torch.backends.mkl.is_available() else 'no'}, "
         f"{torch.backends.cpu.get_cpu_capability()}); compiler: {compiler}",
         f"# compiled kernel: {native.build_target() or 'not used: ' + str(native.unavailable_reason())}"
-        f"{_bf16_tiles()}",
+        f"{_bf16_tiles()}; fp32 tile: {native.tile_shape() or '-'}",
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load {load}",
     ]
 
@@ -738,16 +755,16 @@ def _gflops(r: Row, best: bool = False) -> float:
 
 
 def print_table(rows: list[Row], gemm: Optional[Gemm]) -> None:
-    print("| workload | kernel path | ours ms | GFLOP/s | best GFLOP/s (% of GEMM) | NJT SDPA | padded+mask | loop | "
+    print("| workload | kernel path | ISA / tile | ours ms | GFLOP/s | best GFLOP/s (% of GEMM) | NJT SDPA | padded+mask | loop | "
           "bucketed | flex | best contender | best/ours | peak MiB ours / loop | repeated rounds |")
-    print("|---|---|" + "---:|" * 3 + "---:|" * 5 + "---|---:|---|---:|")
+    print("|---|---|---|" + "---:|" * 3 + "---:|" * 5 + "---|---:|---|---:|")
     for r in rows:
         m = r.medians
         best, best_s = _best_contender(r)
         mem = f"{r.memory['ours'] / 2**20:.1f} / {r.memory['loop'] / 2**20:.1f}" if "loop" in r.memory else "-"
         share = f"{_gflops(r, True):.0f} ({100 * _gflops(r, True) / gemm.best[r.workload.dtype][0]:.0f}%)" if gemm \
             else "-"
-        print(f"| {_label(r.workload)} | {kernel_path(r.workload)} | {_ms(m['ours'])} | {_gflops(r):.0f} | {share} | {_ms(m.get('njt'))} | "
+        print(f"| {_label(r.workload)} | {kernel_path(r.workload)} | {isa_tile(r.workload)} | {_ms(m['ours'])} | {_gflops(r):.0f} | {share} | {_ms(m.get('njt'))} | "
               f"{_ms(m.get('padded'))} | {_ms(m.get('loop'))} | {_ms(m.get('bucketed'))} | {_ms(m.get('flex'))} | "
               f"{best} | {best_s / m['ours']:.2f}x | {mem} | {r.repeated} |")
     for r in rows:

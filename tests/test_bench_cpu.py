@@ -42,12 +42,15 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^# cpu: .+; \d+ CPUs usable .+torch threads 1$", out, re.M), out[:2000]
     assert "# vector extensions: " in out and "# compiled kernel: -march=" in out
-    assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32)", out, re.M), out[:2000]
+    assert re.search(r"^# compiled kernel: -march=.+; bf16 tiles: (AMX|AVX512-BF16|float32).*; fp32 tile: .+ rows x", out, re.M), \
+        out[:2000]
     for dtype in ("float32", "bfloat16"):
         assert re.search(rf"^# best {dtype} GEMM: \d+ GFLOP/s \((matmul|onednn), \d+x\d+x\d+\)$", out, re.M), out
-    assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| [\d.]+ \| "
+    assert re.search(r"^\| W4 fwd \| direct rows, fp32 FMA \((AVX-512|AVX2|AVX|SSE4.2|NEON|scalar)\) \| direct rows, 16 keys a "
+                     r"block \([\w.+-]+\) \| [\d.]+ \| "
                      r"\d+ \| \d+ \(\d+%\) \|", out, re.M), out
-    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, (AVX512-BF16|fp32 FMA \([\w.-]+\)) \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| W4 bfloat16 fwd \| direct rows, (AVX512-BF16|fp32 FMA \([\w.-]+\)) \| direct rows[^|]+\| [\d.]+ \|", out,
+                     re.M), out
     assert re.search(r"^# W4 bfloat16 fwd: reading its K/V once", out, re.M), out
     assert re.search(r"^# W4 fwd: reading its K/V once \(k.sum\(\) \+ v.sum\(\)\) [\d.]+ ms, ours [\d.]+x that$", out,
                      re.M), out
@@ -140,3 +143,20 @@ def test_options_rows_time_the_same_call_with_and_without_sinks_chunks_and_prefi
     assert re.search(r"^\| small bfloat16 causal fwd\+bwd \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| 1\.\d\d \| [\d.]+x \|$",
                      out, re.M), out
     assert "sinks + chunk_size + prefix_lens <= 1.10x the plain call (issue 20)" in text and "chunk 299" in text
+
+
+def test_each_row_names_the_builds_instruction_set_and_tile():
+    """Issue 30: every row prints the build's instruction set and the tile its products run on
+    (the kernel's own js_tile_shape), decode rows as direct rows."""
+    bench = _bench()
+    from workloads import W1, W4, W5
+
+    if native.library() is None:
+        pytest.skip("no compiled kernel here")
+    shape = native.tile_shape()
+    assert re.match(r"(AVX-512|AVX2\+FMA|AVX|NEON|128-bit vectors): 6 rows x \d+ columns", shape), shape
+    assert bench.isa_tile(W1) == shape and bench.isa_tile(W4).startswith("direct rows")
+    if "avx512f" not in native.build_target() and "avx2" in native.build_target():
+        assert shape.startswith("AVX2+FMA: 6 rows x 16 columns (12 ymm")
+    if not native.library().js_bf16_tiles():
+        assert bench.isa_tile(W5) == shape

@@ -247,6 +247,7 @@ def _load():
     # Loading runs none of the kernel's instructions; the first call would die of SIGILL where the
     # target (another machine's -march) uses an instruction set this CPU lacks.
     lib.js_build_isa.restype = ctypes.c_char_p
+    lib.js_tile_shape.restype = ctypes.c_char_p
     isa = tuple(lib.js_build_isa().decode().split())
     arch = target_arch()
     cpu = set(_cpu_flags().split())
@@ -290,6 +291,13 @@ def build_target() -> Optional[str]:
     if library() is None:
         return None
     return f"-march={_STATE['arch']} ({' '.join(_STATE['isa']) or 'baseline instructions'})"
+
+
+def tile_shape() -> Optional[str]:
+    """The loaded library's float32 micro-tile, e.g. ``AVX2+FMA: 6 rows x 16 columns (12 ymm
+    accumulators)`` (None when there is no library)."""
+    lib = library()
+    return None if lib is None else lib.js_tile_shape().decode()
 
 
 def target_note() -> Optional[str]:

@@ -197,10 +197,19 @@ inline float hsum(vf x) {
 }
 #endif
 
+// With AVX-512 GCC inlines vexp where it is used; a struct vector (narrower registers) makes it
+// look big enough to call, and a call passes the struct through memory (vexp ran at 2 ns a score
+// on AVX2, as much as the whole tile's products), so there it is always inlined.
+#if JS_VEC_BYTES == 64
+#define JS_VEXP_INLINE inline
+#else
+#define JS_VEXP_INLINE inline __attribute__((always_inline))
+#endif
+
 // exp(x) to ~1 ulp for x <= 88 (Cephes expf); exactly 0 below -87.33, so exp(-inf) = 0. With
 // AVX-512 the result is scaled by 2^n with vscalefps (the same bits as the multiply by 2^n built in
 // integer lanes, four instructions fewer: exponentials are a fifth of a float32 forward's softmax).
-inline vf vexp(vf x) {
+JS_VEXP_INLINE vf vexp(vf x) {
     const vf lo = splat(-87.33654f);
     const vi under = x < lo;
 #if !JS_AVX512
@@ -239,17 +248,23 @@ struct F32 {
     static vf ld16(const T* p) { return loadu(p); }
     static T st(float x) { return x; }
 };
+// Arm's half type is __fp16 (IEEE binary16 on aarch64; g++ before 13 has no _Float16 in C++ there).
+#if defined(__aarch64__)
+typedef __fp16 half_t;
+#else
+typedef _Float16 half_t;
+#endif
 struct F16 {
-    typedef _Float16 T;
+    typedef half_t T;
     static float ld(const T* p) { return static_cast<float>(*p); }
     static vf ld16(const T* p) {
         return build([p](int i) {
-            typename Native<_Float16, JS_VEC_BYTES / 2>::type h;
+            typename Native<half_t, JS_VEC_BYTES / 2>::type h;
             std::memcpy(&h, p + i * NL, sizeof h);
             return __builtin_convertvector(h, nvf);
         });
     }
-    static T st(float x) { return static_cast<_Float16>(x); }
+    static T st(float x) { return static_cast<half_t>(x); }
 };
 struct BF16 {
     typedef uint16_t T;
@@ -306,7 +321,7 @@ inline vf vexp_bf16(vf x) {
 // the forward's): bf16 calls where the CPU multiplies bf16 (their P is rounded to bf16 for its
 // products) take vexp_bf16; every other call vexp.
 template <class IO>
-inline vf prob_exp(vf x) {
+JS_VEXP_INLINE vf prob_exp(vf x) {
 #if JS_BF16_DOT
     if constexpr (std::is_same<IO, BF16>::value) return vexp_bf16(x);
 #endif
@@ -662,6 +677,7 @@ struct RowRule {
 // S[RR rows][BK] = A[RR][d] . Bt[d][BK] (A rows lda apart): q.k^T, and dO.v^T in the backward.
 // Kept out of line (like pv_tile): inlined into the softmax code its 24 accumulators were
 // spilled, at half the speed.
+#if JS_VEC_BYTES == 64
 template <int RR>
 __attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
     vf acc[RR][4];
@@ -700,6 +716,39 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
     for (int r = 0; r < RR; ++r)
         for (int c = 0; c < NV; ++c) storeu(o + r * dvp + c * W, acc[r][c]);
 }
+#else
+// Narrower registers (AVX2: 16 ymm; NEON: 32 q): a vector is 2 (4) registers, so the tiles above
+// would want 48 (96) accumulators and spill. Here a tile is RR rows x one vector of columns (RR x 16
+// floats: 12 ymm accumulators for RR = 6, two loads of B and a broadcast a step, the shape of
+// BLIS's Haswell sgemm kernel; 24 q registers on NEON), repeated over the column chunks; A's rows
+// are re-read from L1 per chunk.
+template <int RR>
+__attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
+    for (int c = 0; c < BK / W; ++c) {
+        vf acc[RR];
+        for (int r = 0; r < RR; ++r) acc[r] = splat(0.f);
+        for (int64_t e = 0; e < d; ++e) {
+            const vf k = loadu(kt + e * BK + c * W);
+            for (int r = 0; r < RR; ++r) acc[r] += splat(qp[r * lda + e]) * k;
+        }
+        for (int r = 0; r < RR; ++r) storeu(s + r * BK + c * W, acc[r]);
+    }
+}
+
+template <int RR, int NV>
+__attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int nk, const float* vp, int64_t dvp,
+                                       float* o) {
+    for (int c = 0; c < NV; ++c) {
+        vf acc[RR];
+        for (int r = 0; r < RR; ++r) acc[r] = loadu(o + r * dvp + c * W) * splat(alpha[r]);
+        for (int j = 0; j < nk; ++j) {
+            const vf vv = loadu(vp + j * dvp + c * W);
+            for (int r = 0; r < RR; ++r) acc[r] += splat(pb[r * BK + j]) * vv;
+        }
+        for (int r = 0; r < RR; ++r) storeu(o + r * dvp + c * W, acc[r]);
+    }
+}
+#endif
 
 // Calls f(NV, c) over a row of `width` floats (a multiple of W) in chunks of at most 4 vectors:
 // NV (a std::integral_constant) is the chunk's vector count, c its first column.
@@ -1103,8 +1152,26 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
         _mm512_mask_storeu_ps(s, lanes16(n), sum16(acc));
     }
 #else
+    // Narrower registers: dot() of four pairs at once (its order of adds per pair, so the same
+    // bits whatever a pair's slot), four independent chains of FMAs where one left the FMA units
+    // waiting on its latency.
     (void)scale;
-    for (int i = 0; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        vf acc[4];
+        for (int k = 0; k < 4; ++k) acc[k] = splat(0.f);
+        int64_t e = 0;
+        for (; e + W <= d; e += W) {
+            const vf q0 = OneQ ? loadu(qp[0] + e) : splat(0.f);
+            for (int k = 0; k < 4; ++k) acc[k] += (OneQ ? q0 : loadu(qp[i + k] + e)) * IO::ld16(kp[i + k] + e);
+        }
+        for (int k = 0; k < 4; ++k) {
+            float tail = 0.f;
+            for (int64_t t = e; t < d; ++t) tail += qp[i + k][t] * IO::ld(kp[i + k] + t);
+            s[i + k] = hsum(acc[k]) + tail;
+        }
+    }
+    for (; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
 #endif
 }
 
@@ -1154,10 +1221,23 @@ inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T
         }
     }
 #else
+    // Narrower registers: 64 columns of O in registers (8 ymm, 16 q) over the block's keys, where
+    // a load and a store of O per key and vector left decoding bound by L1; the same adds per column.
     (void)pbh;
+    int64_t c = 0;
+    for (; c + 4 * W <= dv; c += 4 * W) {
+        vf acc[4];
+        for (int i = 0; i < 4; ++i) acc[i] = loadu(o + c + i * W);
+        for (int j = 0; j < nb; ++j) {
+            const vf pj = splat(ph[j]);
+            const typename IO::T* x = vr[j] + off + c;
+            for (int i = 0; i < 4; ++i) acc[i] += pj * IO::ld16(x + i * W);
+        }
+        for (int i = 0; i < 4; ++i) storeu(o + c + i * W, acc[i]);
+    }
     for (int j = 0; j < nb; ++j) {
         const typename IO::T* x = vr[j] + off;
-        int64_t e = 0;
+        int64_t e = c;
         for (; e + W <= dv; e += W) storeu(o + e, loadu(o + e) + splat(ph[j]) * IO::ld16(x + e));
         for (; e < dv; ++e) o[e] += ph[j] * IO::ld(x + e);
     }
@@ -1529,6 +1609,7 @@ constexpr int BQ_BWD = 64;  // query rows whose P and dS are kept for the transp
 constexpr float kOnes[R] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f};  // pv_tile's alpha when nothing rescales
 
 // Acc[RR keys][NV*W chunk] += X^T[RR keys][rows] . B[rows][chunk]: X is (rows x BK), keys j0..
+#if JS_VEC_BYTES == 64
 template <int RR, int NV>
 __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
                                         int64_t ldo) {
@@ -1546,6 +1627,23 @@ __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const 
     for (int k = 0; k < RR; ++k)
         for (int c = 0; c < NV; ++c) storeu(acc_out + k * ldo + c * W, acc[k][c]);
 }
+
+#else
+// As pv_tile: RR keys x one vector of columns a pass (12 ymm accumulators for RR = 6).
+template <int RR, int NV>
+__attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
+                                        int64_t ldo) {
+    for (int c = 0; c < NV; ++c) {
+        vf acc[RR];
+        for (int k = 0; k < RR; ++k) acc[k] = loadu(acc_out + k * ldo + c * W);
+        for (int r = 0; r < rows; ++r) {
+            const vf bb = loadu(b + r * ldb + c * W);
+            for (int k = 0; k < RR; ++k) acc[k] += splat(x[r * BK + j0 + k]) * bb;
+        }
+        for (int k = 0; k < RR; ++k) storeu(acc_out + k * ldo + c * W, acc[k]);
+    }
+}
+#endif
 
 template <int RR>
 void tpv_cols(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out, int64_t width) {
@@ -2331,6 +2429,22 @@ extern "C" int js_bf16_tiles() {
     return JS_BF16_DOT;
 }
 
+// The float32 micro-tile this build multiplies with (query rows x columns a pass, in registers of
+// the build's width): bench_cpu.py prints it per row beside the instruction set.
+extern "C" const char* js_tile_shape() {
+#if JS_VEC_BYTES == 64
+    return "AVX-512: 6 rows x 64 columns (24 zmm accumulators)";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "AVX2+FMA: 6 rows x 16 columns (12 ymm accumulators)";
+#elif defined(__AVX__)
+    return "AVX: 6 rows x 16 columns (12 ymm accumulators, no FMA)";
+#elif defined(__ARM_NEON)
+    return "NEON: 6 rows x 16 columns (24 q accumulators)";
+#else
+    return "128-bit vectors: 6 rows x 16 columns (24 accumulators)";
+#endif
+}
+
 // The instruction sets the compiler was allowed to use here (-march), named as in /proc/cpuinfo:
 // native.py refuses to load a library whose target this CPU cannot run, and reports the list.
 extern "C" const char* js_build_isa() {
@@ -2367,6 +2481,9 @@ extern "C" const char* js_build_isa() {
 #endif
 #if defined(__AVX512F__)
         " avx512f"
+#endif
+#if defined(__ARM_NEON)
+        " asimd"
 #endif
 #if defined(__AVX512DQ__)
         " avx512dq"

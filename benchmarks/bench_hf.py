@@ -226,26 +226,32 @@ def generation(args, models, name, gen: torch.Generator) -> None:
                                   max_new_tokens=args.new_tokens, do_sample=False)
 
     timed_impls = [("sdpa", "sdpa"), (name, name)] + ([("eager", "eager")] if args.time_eager else [])
-    reference = "eager" if dtype == torch.float32 else "sdpa"  # eager's bf16 sums round differently
+    # float32: tokens must equal eager's. bf16: every implementation rounds its sums its own way and
+    # greedy decoding of a random-weight model amplifies that, so the share of equal tokens is shown
+    reference = "eager" if dtype == torch.float32 else "sdpa"
     ref_tokens = generate(reference)
-    peaks = {}
+    peaks, agree = {}, {}
     for label, impl in timed_impls:
         resettable = _peak_rss_reset()
-        if not torch.equal(generate(impl), ref_tokens):
-            raise SystemExit(f"{label}: generated tokens differ from {reference}'s")
+        tokens = generate(impl)
         peaks[label] = _peak_rss_mb() if resettable else float("nan")
+        agree[label] = (tokens[:, p_ids.shape[1]:] == ref_tokens[:, p_ids.shape[1]:]).float().mean().item()
+        if dtype == torch.float32 and agree[label] < 1:
+            raise SystemExit(f"{label}: generated tokens differ from {reference}'s")
     times = {label: [] for label, _ in timed_impls}
     for _ in range(args.gen_rounds):
         for label, impl in timed_impls:
             times[label].append(timed(lambda: generate(impl)))
     new_total = args.batch * args.new_tokens
     base = statistics.median(times["sdpa"])
-    print(f"medians of {args.gen_rounds} interleaved rounds; tokens checked against {reference}'s; peak RSS of the "
+    print(f"medians of {args.gen_rounds} interleaved rounds; new tokens compared with {reference}'s; peak RSS of the "
           "process during each contender's first call")
-    print(f"{'contender':<10} {'generate ms':>11} {'new tokens/s':>12} {'vs sdpa':>8} {'peak RSS MB':>11}")
+    print(f"{'contender':<10} {'generate ms':>11} {'new tokens/s':>12} {'vs sdpa':>8} {'peak RSS MB':>11} "
+          f"{'tokens = ' + reference:>14}")
     for label, _ in timed_impls:
         g = statistics.median(times[label])
-        print(f"{label:<10} {1e3 * g:>11.1f} {new_total / g:>12,.0f} {base / g:>7.2f}x {peaks[label]:>11.0f}")
+        print(f"{label:<10} {1e3 * g:>11.1f} {new_total / g:>12,.0f} {base / g:>7.2f}x {peaks[label]:>11.0f} "
+              f"{100 * agree[label]:>13.0f}%")
 
 
 def static_compiled(args, models, name, gen: torch.Generator) -> None:

@@ -95,7 +95,7 @@ constexpr int BK = 64;       // keys per block (4 vectors): packed K^T and V of 
 // than 256: a 300-token sequence packed its keys twice). Fewer for wide heads, so that a thread's
 // rows of q and O stay near 256 KB each.
 constexpr int QCHUNK = 1024;
-constexpr int R = 6;         // query rows per micro-tile (24 accumulators of 16 floats)
+constexpr int R = 6;         // query rows per micro-tile (AVX-512: 24 accumulators; AVX2: 12 a pass)
 constexpr int TR = 16;       // query rows per AMX tile
 
 // A vector is W = 16 floats. With AVX-512 it is one register. With narrower registers (AVX2,

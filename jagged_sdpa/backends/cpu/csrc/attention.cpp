@@ -14,8 +14,8 @@
 // directions: the backward's dK/dV are then cache-shaped, see "Backward");
 // out (total_q, Hq, Dv); lse (Hq, total_q) float32, natural log, -inf for rows that see no key
 // (sink_h with sinks).
-// Scores follow API.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
-// window, chunk; or the prefix, API.md 11) on the aligned position i' = i + shift. Sinks (API.md 11)
+// Scores follow docs/api.md's order: scale, softcap, ALiBi (-slope * |i' - j|), masks (causal,
+// window, chunk; or the prefix, docs/api.md section 11) on the aligned position i' = i + shift. Sinks (docs/api.md section 11)
 // are one more logit per head in each row's denominator, folded in when the row is written
 // (finish_row): the lse includes them, so the backward's P = exp(S - lse) needs nothing more.
 // Computation is float32 whatever the input dtype (fp16/bf16 are widened exactly on load), except
@@ -405,12 +405,12 @@ struct JsParams {
     // Dropout (keyed_dropout.py): the call's key and p in [0, 1); p = 0 is off.
     uint32_t dropout_seed, dropout_offset;
     float dropout_p;
-    // API.md 11: chunked attention (chunk_size C, 0 = off), prefix-LM (prefix_lens (batch,), null =
+    // docs/api.md section 11: chunked attention (chunk_size C, 0 = off), prefix-LM (prefix_lens (batch,), null =
     // off) and sinks ((Hq,) float32 logits, null = off).
     int64_t chunk_size;
     const int32_t* prefix_lens;
     const float* sinks;
-    // A dense cache read in place (API.md 12) is a paged cache of one block of S slots per sequence
+    // A dense cache read in place (docs/api.md section 12) is a paged cache of one block of S slots per sequence
     // (block_table[b] = b, block_size = S): sequence b's keys start at slot cache_leftpad[b] of its
     // block (null: at 0).
     const int32_t* cache_leftpad;
@@ -777,7 +777,7 @@ inline bool adds_nothing(float bm, const float* s, int n) {
 // Writes a row's result from its online-softmax state (o unnormalised, max m, sum l): l = 0 only
 // when it saw no key (or only -inf scores): out exactly 0 (o may hold 0 * NaN from values other
 // rows of its tile see), lse = sink (-inf without sinks). A NaN l or o (a NaN score or value it
-// saw) stays NaN. A sink (API.md 11; -inf: none, which changes no bit) is one more logit with no
+// saw) stays NaN. A sink (docs/api.md section 11; -inf: none, which changes no bit) is one more logit with no
 // value: max and sum take it in (not dropped: dropout scaled O only), so O shrinks and lse grows.
 template <class IO>
 inline void finish_row(const float* o, float m, float l, float sink, int64_t dv, typename IO::T* dst, float* lse) {
@@ -2147,7 +2147,7 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #undef JS_QK
     };
     if (!amx) lse_corrections<IO>(g, b, hk, lq, w, pack_k, scores);
-    // The sinks' gradient (API.md 11): the sink's share of row i is P_sink = exp(sink_h - lse_i)
+    // The sinks' gradient (docs/api.md section 11): the sink's share of row i is P_sink = exp(sink_h - lse_i)
     // (lse includes the sink, corrected like P below), and d lse_i / d sink_h = P_sink, so
     // dsink_h = -sum_i P_sink,i * delta_i (delta_i = dO_i . O_i). A row that saw no key has O = 0.
     if (sink_part)

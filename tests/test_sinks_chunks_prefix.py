@@ -605,7 +605,7 @@ def test_opcheck_with_sinks_chunk_and_prefix(backend):
     q, k, v, sinks, _ = _inputs()
     p = jagged_sdpa.plan(cu_of(LQ), cu_of(LK), max(LQ), max(LK), causal=True, chunk_size=3,
                          prefix_lens=torch.tensor(PREFIX, dtype=torch.int32))
-    call, prepared = p._call(q, k, v, None, False, sinks=sinks)
+    call, prepared = p._call(q, k, v, None, sinks)
     assert prepared.backend == CPU_BACKEND and call.spec.sinks_grad and call.spec.prefix and call.spec.chunk_size == 3
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
             call.alibi_slopes, call.dropout_key, backend, ops.options_of(call.spec), call.spec.max_seqlen_q,

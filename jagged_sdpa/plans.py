@@ -206,7 +206,7 @@ class Plan:
     def __repr__(self) -> str:
         b, o = self._batch, self._options
         return (f"Plan(B={b.size}, max_seqlen_q={b.max_seqlen_q}, max_seqlen_k={b.max_seqlen_k}"
-                + (", paged" if b.paged else "") + (f", causal" if o.causal else "")
+                + (", paged" if b.paged else "") + (", causal" if o.causal else "")
                 + f", lengths {'read' if b.lengths_known else 'checked on the device'})")
 
 

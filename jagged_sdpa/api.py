@@ -5,7 +5,6 @@ and runs or explains it. NJT unwrapping lives here; no backend-specific rule doe
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

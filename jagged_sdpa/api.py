@@ -199,7 +199,7 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, chunk_size=None, prefix_lens=None, return_lse=False,
-                     block_table=None, seqused_k=None, cache_leftpad=None, backend=None):
+                     block_table=None, seqused_k=None, cache_leftpad=None, k_scale=None, v_scale=None, backend=None):
     """Attention over packed variable-length sequences, with flash-attn's varlen semantics.
 
     Shapes: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), Hq % Hkv == 0;
@@ -211,6 +211,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     ``.transpose(1, 2)``), ``cu_seqlens_k=None``, no ``block_table``, ``seqused_k`` int32 (B,) and
     ``cache_leftpad`` int32 (B,) (default zeros): row b's keys are cache slots
     ``[cache_leftpad[b], cache_leftpad[b] + seqused_k[b])``; ``max_seqlen_k=None`` means S (no read).
+    fp8 KV cache (docs/api.md section 13): a paged or dense cache in ``torch.float8_e4m3fn`` or
+    ``float8_e5m2`` with ``k_scale``/``v_scale`` float32 () or (Hkv,): the keys are
+    ``k.float() * k_scale`` (values likewise); forward only, q in float16/bfloat16/float32.
 
     ``causal=True`` is bottom-right aligned: query i of a sequence with Lq queries and Lk keys
     sees keys j <= i + Lk - Lq (for Lq=2, Lk=5: rows ``1 1 1 1 0`` and ``1 1 1 1 1``).
@@ -240,7 +243,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
                         prefix_lens, cache_leftpad)
-    result = plan._run(q, k, v, alibi_slopes, sinks)
+    result = plan._run(q, k, v, alibi_slopes, sinks, k_scale, v_scale)
     return (result.out, result.lse) if return_lse else result.out
 
 
@@ -289,8 +292,8 @@ def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     sinks=None, chunk_size=None, prefix_lens=None, return_lse=False, block_table=None,
-                    seqused_k=None, cache_leftpad=None, backend=None):
+                    seqused_k=None, cache_leftpad=None, k_scale=None, v_scale=None, backend=None):
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
                         prefix_lens, cache_leftpad)
-    return plan.explain(q, k, v, alibi_slopes, sinks)
+    return plan.explain(q, k, v, alibi_slopes, sinks, k_scale, v_scale)

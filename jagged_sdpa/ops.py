@@ -39,16 +39,18 @@ from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
 
 _LIB = torch.library.Library("jagged_sdpa", "DEF")
 
-# prefix_lens, sinks (docs/api.md section 11) and cache_leftpad (docs/api.md section 12) come last, with defaults: callers
-# written before them still fit. A dense cache passes no block_table (its table is made from B).
+# prefix_lens, sinks (docs/api.md section 11), cache_leftpad (section 12) and an fp8 cache's k_scale/v_scale
+# (section 13) come last, with defaults: callers written before them still fit. A dense cache passes no
+# block_table (its table is made from B).
 _CALL_ARGS = ("Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, "
               "Tensor? alibi_slopes, Tensor? dropout_key, str backend, str options, SymInt max_seqlen_q, "
-              "SymInt max_seqlen_k, Tensor? prefix_lens=None, Tensor? sinks=None, Tensor? cache_leftpad=None")
+              "SymInt max_seqlen_k, Tensor? prefix_lens=None, Tensor? sinks=None, Tensor? cache_leftpad=None, "
+              "Tensor? k_scale=None, Tensor? v_scale=None")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor[])")
 _LIB.define(f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             f"Tensor[] state, {_CALL_ARGS}) -> Tensor[]")
 _LIB.define("paged_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seqused_k, "
-            "Tensor k_new, Tensor v_new, Tensor cu_seqlens_new) -> Tensor")
+            "Tensor k_new, Tensor v_new, Tensor cu_seqlens_new, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")
 
 # The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
 _OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
@@ -94,11 +96,11 @@ def split_grads(spec: AttnSpec, grads) -> tuple:
 
 
 def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None) -> PackedCall:
     """The call the operator runs, its contents checked: read on the CPU (found again when the
     wrapper read the same tensors), else queued as device-side asserts."""
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_q, max_k, prefix_lens, sinks, cache_leftpad)
+                    max_q, max_k, prefix_lens, sinks, cache_leftpad, k_scale, v_scale)
     spec = call.spec
     b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
                        block_table=block_table, seqused_k=seqused_k,
@@ -118,12 +120,13 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
 
 
 def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None) -> PackedCall:
+             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None) -> PackedCall:
     """The call from the operator's arguments alone (contents not checked)."""
     spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
                           prefix_lens, sinks, cache_leftpad)
     return PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
-                      dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks, cache_leftpad=cache_leftpad)
+                      dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks, cache_leftpad=cache_leftpad,
+                      k_scale=k_scale, v_scale=v_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,17 +172,19 @@ def _forward(impl, call: PackedCall) -> tuple:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, backend,
-               options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None):
+               options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None,
+               v_scale=None):
     impl = _impl_of(backend)  # a refused call is refused before its contents are read
     return _forward(impl, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
                                       dropout_key, options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks,
-                                      cache_leftpad))
+                                      cache_leftpad, k_scale, v_scale))
 
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
-                    backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None):
+                    backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None,
+                    k_scale=None, v_scale=None):
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-                    max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad)
+                    max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad, k_scale, v_scale)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty(q.shape[1], _lse_rows(call.spec), dtype=torch.float32)
     state = () if backend.startswith(_REFUSED) else IMPLS[Backend(backend)].fake_state(call)
@@ -196,7 +201,7 @@ torch.library.register_fake("jagged_sdpa::attention", _attention_fake, lib=_LIB)
 
 def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                         alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k, prefix_lens=None,
-                        sinks=None, cache_leftpad=None):
+                        sinks=None, cache_leftpad=None, k_scale=None, v_scale=None):
     call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
                     options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad)
     impl = _impl_of(backend)
@@ -206,7 +211,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seq
 
 def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, cu_seqlens_k, seqused_k,
                              block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k,
-                             prefix_lens=None, sinks=None, cache_leftpad=None):
+                             prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None):
     grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
     parsed = _parse_options(options)
     if parsed["alibi_grad"]:
@@ -221,6 +226,7 @@ torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backwa
 
 def _setup_context(ctx, inputs, output):
     out, lse, state = output
+    # an fp8 cache's scales (inputs 16, 17) never reach here: such a call needs no gradient (refused)
     prefix_lens, sinks, cache_leftpad = (tuple(inputs[13:16]) + (None, None, None))[:3]
     ctx.save_for_backward(*inputs[:9], prefix_lens, sinks, cache_leftpad, out, lse, *state)
     ctx.scalars = inputs[9:13]   # backend, options, max_seqlen_q, max_seqlen_k
@@ -239,7 +245,7 @@ def _backward(ctx, grad_out, _grad_lse, _grad_state):
     dslopes = grads[3] if parsed["alibi_grad"] else None
     dsinks = grads[3 + parsed["alibi_grad"]] if parsed["sinks_grad"] else None
     result = (grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None, None,
-              dsinks, None)
+              dsinks, None, None, None)
     # The dispatcher drops trailing arguments equal to their defaults (prefix_lens, sinks = None)
     # from the inputs it matches this tuple against.
     return result[:len(ctx.needs_input_grad)]
@@ -343,7 +349,8 @@ def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
             None if spec.dense_cache else call.block_table,
             call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
-            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks, call.cache_leftpad)
+            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks, call.cache_leftpad,
+            call.k_scale, call.v_scale)
     if spec.needs_grad or compiling:
         out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
     else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)
@@ -356,7 +363,8 @@ def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput
 # paged_append
 
 
-def _paged_append_fake(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new):
+def _paged_append_fake(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new, k_scale=None,
+                       v_scale=None):
     return torch.empty_like(seqused_k)
 
 

@@ -8,19 +8,27 @@ bad append be refused before anything is written.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from jagged_sdpa import layout
 from jagged_sdpa.checks import inputs
+from jagged_sdpa.spec import FP8_DTYPES
 
 
-def _validate_caches(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor) -> None:
+def _validate_caches(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, k_scale, v_scale) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         inputs.validate_tensor(name, t)
         if t.is_nested:
             raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
-    inputs.validate_float_dtypes(("k_cache", "v_cache"), (k_cache, v_cache))
+    fp8 = k_cache.dtype in FP8_DTYPES or v_cache.dtype in FP8_DTYPES
+    if fp8:
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"v_cache dtype {v_cache.dtype} does not match k_cache dtype {k_cache.dtype}")
+    else:
+        inputs.validate_float_dtypes(("k_cache", "v_cache"), (k_cache, v_cache))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}")
@@ -30,7 +38,11 @@ def _validate_caches(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Ten
     if k_cache.shape[1] < 1:
         raise ValueError(f"k_cache block_size must be >= 1, got {k_cache.shape[1]}")
     for name, t, cache_name, cache in (("k_new", k_new, "k_cache", k_cache), ("v_new", v_new, "v_cache", v_cache)):
-        if t.dtype != cache.dtype:
+        if fp8:
+            if t.dtype not in inputs.FLOAT_DTYPES:
+                raise TypeError(f"{name} must be float64, float32, float16 or bfloat16 (quantized into the fp8 "
+                                f"{cache_name} with its scale), got {t.dtype}")
+        elif t.dtype != cache.dtype:
             raise TypeError(f"{name} dtype {t.dtype} does not match {cache_name} dtype {cache.dtype}")
         if t.dim() != 3 or t.shape[1:] != cache.shape[2:]:
             raise ValueError(f"{name} must have shape (total_new, {cache.shape[2]}, {cache.shape[3]}) to match "
@@ -39,6 +51,15 @@ def _validate_caches(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Ten
         raise ValueError(f"k_new and v_new must have the same number of tokens, got {k_new.shape[0]} and "
                          f"{v_new.shape[0]}")
     inputs.validate_same_device(("k_cache", "v_cache", "k_new", "v_new"), (k_cache, v_cache, k_new, v_new))
+    inputs.validate_kv_scales(k_scale, v_scale, k_cache.dtype if fp8 else None, k_cache.shape[2], k_cache.device)
+
+
+def quantized(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x / scale`` in float32 (per tensor, or per kv head of (tokens, Hkv, D)) rounded to nearest
+    even in fp8 ``dtype``, saturated to its largest finite value (inf too; NaN stays NaN), as vLLM's
+    fp8 cache stores it (docs/api.md section 13)."""
+    largest = torch.finfo(dtype).max
+    return (x.float() / scale.view(-1, 1)).clamp_(-largest, largest).to(dtype)
 
 
 def _validate_index_tensors(block_table: Tensor, seqused_k: Tensor, cu_seqlens_new: Tensor,
@@ -104,12 +125,15 @@ def _validate_distinct(slots: list[int], cu_new: tuple[int, ...], block_size: in
 
 
 def paged_append(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_k: Tensor,
-                 k_new: Tensor, v_new: Tensor, cu_seqlens_new: Tensor) -> Tensor:
+                 k_new: Tensor, v_new: Tensor, cu_seqlens_new: Tensor, *, k_scale: Optional[Tensor] = None,
+                 v_scale: Optional[Tensor] = None) -> Tensor:
     """Append packed ``k_new``/``v_new`` (total_new, Hkv, D/Dv) to each sequence's cache blocks.
 
     Sequence b's new tokens ``cu_seqlens_new[b]:cu_seqlens_new[b+1]`` go to positions
     ``seqused_k[b], seqused_k[b] + 1, ...`` of its blocks (``block_table[b]``), in place. Returns the
-    updated ``seqused_k`` (int32 (B,), a new tensor; the argument is not modified).
+    updated ``seqused_k`` (int32 (B,), a new tensor; the argument is not modified). An fp8 cache
+    (docs/api.md section 13) needs ``k_scale``/``v_scale`` (float32 () or (Hkv,)) and stores
+    ``k_new / k_scale`` rounded to nearest even, saturated to the dtype's largest finite value.
 
     Costs one host read of ``cu_seqlens_new``, ``seqused_k`` and ``block_table`` (all validated
     before the first write), inside the ``jagged_sdpa::paged_append`` operator (``ops.py``): under
@@ -121,16 +145,18 @@ def paged_append(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_
         outside a row's capacity, block ids out of range, an append that would not fit in a row's
         assigned blocks, two tokens written to one slot. Nothing is written when it raises.
     """
-    _validate_caches(k_cache, v_cache, k_new, v_new)
+    _validate_caches(k_cache, v_cache, k_new, v_new, k_scale, v_scale)
     _validate_index_tensors(block_table, seqused_k, cu_seqlens_new, k_cache.device)
     if k_cache.device.type == "meta":  # the operator's meta kernel would write nothing, silently
         raise ValueError("meta tensors hold no lengths to read: paged_append needs the values of cu_seqlens_new, "
                          "seqused_k and block_table")
-    return torch.ops.jagged_sdpa.paged_append(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new)
+    return torch.ops.jagged_sdpa.paged_append(k_cache, v_cache, block_table, seqused_k, k_new, v_new, cu_seqlens_new,
+                                              k_scale, v_scale)
 
 
 def append_checked(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqused_k: Tensor, k_new: Tensor,
-                   v_new: Tensor, cu_seqlens_new: Tensor) -> Tensor:
+                   v_new: Tensor, cu_seqlens_new: Tensor, k_scale: Optional[Tensor] = None,
+                   v_scale: Optional[Tensor] = None) -> Tensor:
     """The ``jagged_sdpa::paged_append`` operator: read and check the contents, then write."""
     batch, width = block_table.shape
     num_blocks, block_size = k_cache.shape[:2]
@@ -144,6 +170,8 @@ def append_checked(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, sequse
     if slots:
         index = torch.tensor(slots, dtype=torch.long, device=k_cache.device)
         blocks, offsets = index // block_size, index % block_size
+        if k_scale is not None:
+            k_new, v_new = quantized(k_new, k_scale, k_cache.dtype), quantized(v_new, v_scale, v_cache.dtype)
         k_cache.index_put_((blocks, offsets), k_new)
         v_cache.index_put_((blocks, offsets), v_new)
     return torch.tensor(new_used, dtype=torch.int32, device=k_cache.device)

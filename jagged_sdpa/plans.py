@@ -79,23 +79,25 @@ class Plan:
     # -- per layer -------------------------------------------------------------------------------
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, *, alibi_slopes: Optional[Tensor] = None,
-            sinks: Optional[Tensor] = None):
-        """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=..., sinks=...)``: out,
-        or (out, lse) with ``return_lse=True``."""
-        result = self._run(q, k, v, alibi_slopes, sinks)
+            sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+        """``varlen_attention(q, k, v, <the plan's arguments>, alibi_slopes=..., sinks=..., k_scale=...,
+        v_scale=...)``: out, or (out, lse) with ``return_lse=True``. The scales read an fp8 cache
+        (docs/api.md section 13), per layer."""
+        result = self._run(q, k, v, alibi_slopes, sinks, k_scale, v_scale)
         return (result.out, result.lse) if self._options.return_lse else result.out
 
     def explain(self, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
-                sinks: Optional[Tensor] = None) -> Explanation:
+                sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                v_scale: Optional[Tensor] = None) -> Explanation:
         """Which backend ``run(q, k, v, ...)`` would take, and why not the others; runs nothing."""
         q, k, v = autocast(q, k, v)
-        prepared = self._prepare(q, k, v, alibi_slopes, sinks, choose=False)
+        prepared = self._prepare(q, k, v, alibi_slopes, sinks, k_scale, v_scale, choose=False)
         return with_notes(select(prepared.spec, self._options.forced), prepared.notes)
 
-    def _run(self, q, k, v, alibi_slopes, sinks=None) -> AttnOutput:
+    def _run(self, q, k, v, alibi_slopes, sinks=None, k_scale=None, v_scale=None) -> AttnOutput:
         """The run of a call whose q, k, v are packed: its call (``_call``), then its backend."""
         q, k, v = autocast(q, k, v)
-        call, prepared = self._call(q, k, v, alibi_slopes, sinks)
+        call, prepared = self._call(q, k, v, alibi_slopes, sinks, k_scale, v_scale)
         runner = prepared.runner
         if runner is _NOT_YET:  # built on the first run that would go straight to the backend
             runner = None
@@ -106,39 +108,44 @@ class Plan:
             result = AttnOutput(result.out * 0, result.lse)
         return result
 
-    def _call(self, q, k, v, alibi_slopes, sinks=None, choose: bool = True) -> tuple[PackedCall, _Prepared]:
+    def _call(self, q, k, v, alibi_slopes, sinks=None, k_scale=None, v_scale=None,
+              choose: bool = True) -> tuple[PackedCall, _Prepared]:
         """The call ``run`` hands to ``ops.run``, and what its kind's first run prepared; without
         ``choose`` the call is only described (no backend), as tests inspect it."""
         if (choose and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
                 and not torch.compiler.is_compiling() and (alibi_slopes is None or type(alibi_slopes) is Tensor)
-                and (sinks is None or type(sinks) is Tensor)):
+                and (sinks is None or type(sinks) is Tensor) and (k_scale is None or type(k_scale) is Tensor)
+                and (v_scale is None or type(v_scale) is Tensor)):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
                 alibi_slopes is not None and alibi_slopes.requires_grad) or (sinks is not None and sinks.requires_grad))
             kind = (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.shape, k.shape, v.shape,
                     q.stride(), k.stride(), v.stride(), grad, _ORDER.get(),
                     None if alibi_slopes is None else (type(alibi_slopes), alibi_slopes.dtype, alibi_slopes.device,
                                                        alibi_slopes.shape, alibi_slopes.requires_grad),
-                    None if sinks is None else (sinks.dtype, sinks.device, sinks.shape, sinks.requires_grad))
+                    None if sinks is None else (sinks.dtype, sinks.device, sinks.shape, sinks.requires_grad),
+                    None if k_scale is None else (k_scale.dtype, k_scale.device, k_scale.shape),
+                    None if v_scale is None else (v_scale.dtype, v_scale.device, v_scale.shape))
             prepared = self._kinds.get(kind)
             if prepared is None:
-                prepared = self._prepare(q, k, v, alibi_slopes, sinks)
+                prepared = self._prepare(q, k, v, alibi_slopes, sinks, k_scale, v_scale)
                 if len(self._kinds) >= 32:
                     self._kinds.clear()
                 self._kinds[kind] = prepared
             elif not self._batch.lengths_known and batches._capturing(k):
                 self._batch.bind(q.shape[0], k)  # a later run of the kind, captured: its replays check too
         else:
-            prepared = self._prepare(q, k, v, alibi_slopes, sinks, choose=choose)
+            prepared = self._prepare(q, k, v, alibi_slopes, sinks, k_scale, v_scale, choose=choose)
         b = self._batch
         spec = prepared.spec
         call = PackedCall(q, k, v, b.cu_seqlens_q, b.cu_seqlens_k, prepared.run_spec, alibi_slopes, b.seqused_k,
                           b.block_table, b.cu_q_host, b.cu_k_host, b.seqused_host,
                           keyed_dropout.draw_key() if spec.dropout_p else None, self._refusal,
                           b.prefix_lens if spec.prefix else None, b.prefix_host if spec.prefix else None,
-                          sinks if spec.sinks else None, b.cache_leftpad, b.leftpad_host)
+                          sinks if spec.sinks else None, b.cache_leftpad, b.leftpad_host, k_scale, v_scale)
         return call, prepared
 
-    def _prepare(self, q, k, v, alibi_slopes, sinks=None, choose: bool = True) -> _Prepared:
+    def _prepare(self, q, k, v, alibi_slopes, sinks=None, k_scale=None, v_scale=None,
+                 choose: bool = True) -> _Prepared:
         """A kind's first run: check the tensors against the plan (the batch's metadata was checked
         when it was built), build the spec, select (unless only describing: ``choose=False``)."""
         b, o = self._batch, self._options
@@ -147,6 +154,11 @@ class Plan:
                                            paged=b.paged and not b.dense_cache, batch=b.size)
         alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
         has_sinks = inputs.validate_sinks(sinks, q.shape[1], q.device)
+        cache_dtype = k.dtype if k.dtype in specs.FP8_DTYPES else None
+        inputs.validate_kv_scales(k_scale, v_scale, cache_dtype, k.shape[-2], k.device)
+        if cache_dtype is not None and _needs_grad(q, k, v, alibi_slopes, sinks):
+            raise ValueError(f"an fp8 KV cache ({cache_dtype}) is read forward only, but this call needs a gradient "
+                             f"(q, alibi_slopes or sinks requires grad): run it under torch.no_grad()")
         if choose or b.lengths_known:  # explain queues no device checks (its tensors may be meta)
             b.bind(q.shape[0], k)
         spec = specs.for_layer(b, o, q, k, v, alibi, _needs_grad(alibi_slopes),

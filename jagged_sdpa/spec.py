@@ -83,6 +83,9 @@ class AttnSpec:
     # start at cache_leftpad[b] when ``leftpad``.
     dense_cache: bool = False
     leftpad: bool = False
+    # An fp8 KV cache (docs/api.md section 13): its dtype (float8_e4m3fn or float8_e5m2), read with
+    # k_scale/v_scale (per tensor or per kv head); None when K/V are in q's dtype.
+    cache_dtype: Optional[torch.dtype] = None
 
     @property
     def gqa_group(self) -> int:
@@ -126,6 +129,8 @@ class AttnSpec:
             parts.append(f"paged(block_size={self.block_size})")
         if self.kv_dense:
             parts.append("dense_kv")
+        if self.cache_dtype is not None:
+            parts.append(f"fp8_cache({str(self.cache_dtype).replace('torch.', '')})")
         parts.append(f"grad={'yes' if self.needs_grad else 'no'}")
         return " ".join(parts)
 
@@ -146,7 +151,8 @@ class PackedCall:
     read on the host (None when not read). sinks: float (Hq,) when ``spec.sinks``, else None.
     cache_leftpad: int32 (B,) when ``spec.leftpad`` (a dense cache, docs/api.md section 12: sequence b's keys are
     cache slots [cache_leftpad[b], cache_leftpad[b] + seqused_k[b]) of row b), else None;
-    leftpad_host its values read on the host.
+    leftpad_host its values read on the host. k_scale, v_scale: float32 () or (Hkv,) when the cache
+    is fp8 (``spec.cache_dtype``, docs/api.md section 13: the keys are ``k.float() * k_scale``), else None.
     """
 
     q: Tensor
@@ -168,6 +174,8 @@ class PackedCall:
     sinks: Optional[Tensor] = None
     cache_leftpad: Optional[Tensor] = None
     leftpad_host: Optional[tuple[int, ...]] = None
+    k_scale: Optional[Tensor] = None
+    v_scale: Optional[Tensor] = None
 
     def replace(self, **changes) -> "PackedCall":
         return _replaced(self, changes)
@@ -212,6 +220,9 @@ class AttnOutput(NamedTuple):
     state: tuple = ()
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 _FIELD_NAMES = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (AttnSpec, PackedCall)}
 
 
@@ -254,6 +265,7 @@ def build(q: Tensor, k: Tensor, v: Tensor, *, batch: int, block_table: Optional[
         seqused_k=seqused_k is not None,
         dense_cache=dense_cache,
         leftpad=cache_leftpad is not None,
+        cache_dtype=k.dtype if k.dtype in FP8_DTYPES else None,
         **fields,
     )
 

@@ -53,6 +53,7 @@ ROWS = (
     ("gradient of the sinks", lambda c: _yes(c.sinks and c.sinks_grad)),
     ("chunked attention (`chunk_size`)", lambda c: _yes(c.chunked)),
     ("prefix-LM (`prefix_lens`)", lambda c: _yes(c.prefix)),
+    ("fp8 KV cache (`k_scale`/`v_scale`, forward)", lambda c: _yes(c.fp8_cache)),
 )
 
 

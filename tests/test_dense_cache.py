@@ -83,6 +83,12 @@ def make_case(q_lens, k_lens, starts=None, *, S=None, heads_q=4, heads_kv=2, hea
                      starts)
 
 
+@pytest.fixture(autouse=True)
+def _triton_interpreted(monkeypatch):
+    """TRITON runs CPU tensors under its interpreter (triton was imported interpreted by conftest)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 def require(backend: Backend, case: DenseCase, **options) -> None:
     reasons = jagged_sdpa.explain(*case.args(), **case.kwargs(backend=backend, **options)).reasons[backend]
     if reasons:

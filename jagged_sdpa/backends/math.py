@@ -318,6 +318,12 @@ def sequences(call: PackedCall) -> Iterator[Sequence]:
             yield Sequence(b, q_start, len_q, call.k[keys], call.v[keys], keys, prefixes[b])
 
 
+def dequantized(x: Tensor, scale: Tensor) -> Tensor:
+    """An fp8 cache's keys or values (keys, Hkv, d) as docs/api.md section 13 defines them:
+    ``x.float() * scale``, scale () or (Hkv,)."""
+    return x.float() * scale.view(-1, 1)
+
+
 def _add_rows(acc: Tensor, rows: KeyRows, x: Tensor) -> None:
     """acc[rows] += x; index_add_ for cache slots, which sums rows that repeat, in order."""
     if isinstance(rows, (slice, tuple)):
@@ -338,6 +344,7 @@ class MathBackend(BackendImpl):
         sinks_grad=True,
         chunked=True,
         prefix=True,
+        fp8_cache=True,  # dequantized per sequence: the reference of the kernels that read fp8 in place
     )
 
     @classmethod
@@ -351,6 +358,8 @@ class MathBackend(BackendImpl):
         else:
             lse = torch.full((spec.heads_q, spec.total_q), float("-inf"), dtype=torch.float32, device=q.device)
         for seq in sequences(call):
+            if spec.cache_dtype is not None:
+                seq = seq._replace(k=dequantized(seq.k, call.k_scale), v=dequantized(seq.v, call.v_scale))
             shift = positions.shift_of(spec, seq.len_q, seq.k.shape[0])
             for block in blocks(spec, seq.len_q, seq.k.shape[0], seq.prefix):
                 rows = slice(seq.q_start + block.r0, seq.q_start + block.r1)

@@ -57,6 +57,7 @@ class Capabilities:
     sinks_grad: bool = False          # differentiates the sinks themselves
     chunked: bool = False             # chunk_size
     prefix: bool = False              # prefix_lens
+    fp8_cache: bool = False           # an fp8 KV cache with k_scale/v_scale (docs/api.md section 13), forward only
     notes: tuple[str, ...] = field(default=())
 
 
@@ -136,6 +137,9 @@ def feature_reasons(spec: AttnSpec, caps: Capabilities):
         yield f"chunk_size {spec.chunk_size} not supported (chunked attention, docs/api.md section 11)"
     if spec.prefix and not caps.prefix:
         yield "prefix_lens not supported (prefix-LM, docs/api.md section 11)"
+    if spec.cache_dtype is not None and not caps.fp8_cache:
+        yield (f"fp8 KV cache ({dtype_name(spec.cache_dtype)}, docs/api.md section 13) not supported: this backend "
+               f"reads K/V in q's dtype")
 
 
 def capability_reasons(spec: AttnSpec, caps: Capabilities) -> tuple[Reason, ...]:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from jagged_sdpa import layout
-from jagged_sdpa.spec import ALIGNMENTS
+from jagged_sdpa.spec import ALIGNMENTS, FP8_DTYPES
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 ATTN_MASK_ALTERNATIVES = "is_causal, window_size, alibi_slopes, softcap"
@@ -295,7 +295,10 @@ def validate_varlen_tensors(q, k, v, device: torch.device, *, paged: bool, dense
         validate_tensor(name, t)
         if t.is_nested:
             raise TypeError(f"{name} must be a dense packed tensor, got a nested tensor (use jagged_sdpa.sdpa for NJTs)")
-    validate_float_dtypes(("q", "k", "v"), (q, k, v))
+    if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:
+        _validate_fp8_cache(q, k, v, paged or dense_cache)
+    else:
+        validate_float_dtypes(("q", "k", "v"), (q, k, v))
     kv_dims = 4 if paged or dense_cache else 3
     form = ("(num_blocks, block_size, Hkv, D)" if paged else
             "(B, S, Hkv, D) (a dense cache: cu_seqlens_k is None)" if dense_cache else "(total_k, Hkv, D)")
@@ -319,6 +322,46 @@ def validate_varlen_tensors(q, k, v, device: torch.device, *, paged: bool, dense
     if dense_cache and k.shape[0] != batch:
         raise ValueError(f"a dense cache k must have one row per sequence: shape (B, S, Hkv, D) with "
                          f"B = {batch}, got {tuple(k.shape)}")
+
+
+def _validate_fp8_cache(q: Tensor, k: Tensor, v: Tensor, cache: bool) -> None:
+    """An fp8 k/v (docs/api.md section 13): one fp8 dtype for both, a paged or dense cache, q in
+    float16, bfloat16 or float32."""
+    if k.dtype != v.dtype:
+        raise TypeError(f"v dtype {v.dtype} does not match k dtype {k.dtype}: an fp8 KV cache stores keys and values "
+                        f"in one dtype")
+    if not cache:
+        raise ValueError(f"k and v are {k.dtype}: an fp8 KV cache must be a paged cache (block_table) or a dense "
+                         f"cache (B, S, Hkv, D); packed keys are not read from fp8")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16, bfloat16 or float32 with an fp8 KV cache, got {q.dtype}")
+
+
+def validate_kv_scales(k_scale, v_scale, cache_dtype: Optional[torch.dtype], heads_kv: int,
+                       device: torch.device) -> None:
+    """k_scale/v_scale (docs/api.md section 13): float32 () or (Hkv,) on the cache's device, required
+    with an fp8 cache (``cache_dtype``) and refused without one."""
+    given = [(name, t) for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+    if cache_dtype is None:
+        if given:
+            raise ValueError(f"{given[0][0]} is given but the KV cache is not fp8: k_scale and v_scale dequantize a "
+                             f"float8_e4m3fn or float8_e5m2 cache (docs/api.md section 13)")
+        return
+    if len(given) < 2:
+        missing = " and ".join(name for name, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is None)
+        raise ValueError(f"an fp8 KV cache ({cache_dtype}) needs k_scale and v_scale (float32, shape () or "
+                         f"({heads_kv},)): the keys are k.float() * k_scale; {missing} missing")
+    for name, t in given:
+        validate_tensor(name, t)
+        if t.is_nested:
+            raise TypeError(f"{name} must be a dense float32 tensor, got a nested tensor")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if tuple(t.shape) not in ((), (heads_kv,)):
+            raise ValueError(f"{name} must have shape () (per tensor) or ({heads_kv},) (per kv head), got "
+                             f"{tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the KV cache is on {device}")
 
 
 def validate_varlen_metadata(cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, cache_leftpad=None) -> None:

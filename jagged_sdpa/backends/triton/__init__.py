@@ -87,7 +87,10 @@ class TritonBackend(BackendImpl):
         chunked=True,
         prefix=True,
         dense_cache=True,
+        fp8_cache=True,
         notes=("cpu runs only under TRITON_INTERPRET=1 (tests)", "paged KV cache is forward-only",
+               "fp8 KV cache (docs/api.md section 13): bytes decoded in the kernel, scales folded into the score "
+               "scale and the output",
                "dense KV cache (docs/api.md section 12) read in place, forward and backward"),
     )
 

@@ -57,6 +57,32 @@ def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, s
 
 
 @triton.jit
+def _fp8_to_f32(x, FP8: tl.constexpr):
+    """fp8 bytes (uint8) to float32, exactly, by bit manipulation: FP8 1 = float8_e4m3fn (bias 7,
+    S.1111.111 is NaN, no inf), 2 = float8_e5m2 (bias 15, inf and NaN at exponent 31). Decoded in
+    integers because Triton's own fp8 casts differ across versions and its interpreter gets NaN
+    wrong; every value of both formats is exact in float16, bfloat16 and float32."""
+    bits = x.to(tl.uint32)
+    sign = (bits >> 7) << 31
+    if FP8 == 1:
+        e = (bits >> 3) & 15
+        m = bits & 7
+        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        small = m.to(tl.float32) * 0.001953125                      # m/8 * 2^-6
+        special = (bits & 127) == 127
+        special_bits = sign * 0 + 0x7FC00000
+    else:
+        e = (bits >> 2) & 31
+        m = bits & 3
+        normal = (sign | ((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        small = m.to(tl.float32) * 0.0000152587890625               # m/4 * 2^-14
+        special = e == 31
+        special_bits = tl.where(m == 0, sign | 0x7F800000, sign * 0 + 0x7FC00000)
+    value = tl.where(e == 0, tl.where(sign != 0, -small, small), normal)
+    return tl.where(special, special_bits.to(tl.float32, bitcast=True), value)
+
+
+@triton.jit
 def _floor_div(a, c):
     """floor(a / c) for c > 0 and any sign of a. Triton's ``//`` truncates toward zero (C's rule),
     so only non-negative numerators are divided: a negative position is in chunk -1 or below."""
@@ -270,6 +296,19 @@ def table_args(call):
 def leftpad_arg(call) -> torch.Tensor:
     """cache_leftpad (B,) of a dense cache, or a dummy."""
     return call.cache_leftpad if call.spec.leftpad and call.cache_leftpad is not None else call.cu_seqlens_q
+
+
+def fp8_args(call):
+    """An fp8 cache (docs/api.md section 13): k and v as uint8 views (the kernels decode the bytes,
+    ``_fp8_to_f32``), the scales and their head strides (0 = per tensor), and FP8 (0 none, 1
+    float8_e4m3fn, 2 float8_e5m2)."""
+    dtype = call.spec.cache_dtype
+    if dtype is None:
+        return call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_q, 0, 0, 0
+    k_scale, v_scale = call.k_scale.reshape(-1), call.v_scale.reshape(-1)
+    return (call.k.view(torch.uint8), call.v.view(torch.uint8), k_scale, v_scale,
+            k_scale.stride(0) if k_scale.numel() > 1 else 0, v_scale.stride(0) if v_scale.numel() > 1 else 0,
+            1 if dtype == torch.float8_e4m3fn else 2)
 
 
 def layout_flags(call) -> dict:

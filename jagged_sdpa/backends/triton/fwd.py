@@ -32,8 +32,8 @@ import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
 from jagged_sdpa.backends.triton._common import (
-    _cache_row, _dot, _dropout_keep, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
-    dropout_key_args, head_dim_pad, kv_strides, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
+    _cache_row, _dot, _dropout_keep, _fp8_to_f32, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
+    dropout_key_args, fp8_args, head_dim_pad, kv_strides, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
     sequence_order, shared_memory_limit, sink_args, table_args, tile_bytes_per_row,
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
@@ -142,7 +142,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
                HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, FP8: tl.constexpr = 0):
     """Online softmax over the key blocks [lo, hi) of one sequence (exp2 of natural-unit differences); MASKED=False only for
     blocks every row of the tile sees."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -152,6 +152,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
                               PAGE_SIZE)
         k = tl.load(K + kv_head_off_k + k_rows[None, :] + offs_d[:, None].to(tl.int64) * stride_kd,
                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        if FP8:  # exact in q's dtype; k_scale is in sm_scale
+            k = _fp8_to_f32(k, FP8).to(q.dtype)
         qk = _dot(q, k, IEEE)
         s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
                         window_right, chunk_size, prefix_len, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, HAS_CHUNK,
@@ -174,6 +176,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
                               PAGE_SIZE)
         v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        if FP8:  # v_scale multiplies the output
+            v = _fp8_to_f32(v, FP8).to(q.dtype)
         acc += _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, l_i, m_i
@@ -187,6 +191,7 @@ def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes
     PrefixLens, Sinks, CacheLeftpad,                     # int32 (B,), float32 (Hq,) (docs/api.md section 11), int32 (B,)
+    KScale, VScale, stride_ksh, stride_vsh,              # an fp8 cache's float32 scales, head stride 0 = per tensor
     stride_qt, stride_qh, stride_qd,                     # q (total_q, Hq, D)
     stride_kb, stride_kt, stride_kh, stride_kd,          # k (total_k, Hkv, D), (blocks, size, Hkv, D) or (B, S, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,          # v, same with Dv
@@ -206,6 +211,7 @@ def _attn_fwd(
     SPLIT_K: tl.constexpr,                               # num_splits > 1 (a runtime value: no recompile per count)
     PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,                                   # K/V bytes: 0 q's dtype, 1 float8_e4m3fn, 2 float8_e5m2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -287,6 +293,8 @@ def _attn_fwd(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b * stride_ab + heads * stride_ah)[:, None]
+    if FP8:  # scale * q.(k k_scale) = (scale k_scale) q.k
+        sm_scale = sm_scale * tl.load(KScale + kv_head * stride_ksh)
     heads_col = heads[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -306,14 +314,14 @@ def _attn_fwd(
             sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
             key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
             HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
-            True)
+            True, FP8)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, table_row, stride_btn, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
             mid_lo, mid_hi, k_head, v_head, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
             sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
             key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
             HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
-            False)
+            False, FP8)
         lo = mid_hi
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, table_row, stride_btn, b, offs_m, pos_q, row_valid, offs_d, offs_dv, start_k, len_k,
@@ -321,7 +329,7 @@ def _attn_fwd(
         sm_scale, softcap, slope, window_left, window_right, chunk_size, prefix_len, dropout_p, key_seed,
         key_offset, heads_col, HEAD_DIM, HEAD_DIM_V, BLOCK_N, HAS_BAND, HAS_CHUNK, HAS_PREFIX, HAS_SOFTCAP,
         HAS_ALIBI, HAS_DROPOUT, PAGED, PAGE_SIZE, IEEE,
-        True)
+        True, FP8)
 
     if HAS_SINKS:
         # The sink is one more logit of the row (not scaled, never dropped): it joins the online
@@ -343,6 +351,8 @@ def _attn_fwd(
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
+    if FP8:
+        out = out * tl.load(VScale + kv_head * stride_vsh)
     lse = tl.where(seen, m_i + tl.math.log(tl.where(seen, l_i, 1.0)), float("-inf"))
 
     o_rows = (start_q + offs_m).to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
@@ -355,7 +365,7 @@ def _attn_fwd(
 
 _AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD_DIM_V", "GROUP", "HAS_BAND",
                  "HAS_CHUNK", "HAS_PREFIX", "HAS_SINKS", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "PAGED", "DENSE",
-                 "SPLIT_K", "PACK_GQA"]
+                 "SPLIT_K", "PACK_GQA", "FP8"]
 CONFIGS = fwd_configs()
 # Without autotuning the kernel is launched directly with ``_prune``'s one config (``launch``).
 _attn_fwd_jit = _attn_fwd
@@ -369,7 +379,8 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     ``plans.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
     (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
     spec = call.spec
-    q, k, v = call.q, call.k, call.v
+    q = call.q
+    k, v, k_scale, v_scale, stride_ksh, stride_vsh, fp8 = fp8_args(call)
     total_q, heads_q = q.shape[0], q.shape[1]
     batch = call.cu_seqlens_q.shape[0] - 1
     if num_splits > 1:
@@ -397,7 +408,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     args = (
         q, k, v, out, lse,
         call.cu_seqlens_q, cu_k, seqused, block_table, slopes, sequence_order(call), prefix, sink_args(call),
-        leftpad_arg(call),
+        leftpad_arg(call), k_scale, v_scale, stride_ksh, stride_vsh,
         *q.stride(),
         *kv_strides(k, spec.paged),
         *kv_strides(v, spec.paged),
@@ -415,7 +426,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
         BOTTOM_RIGHT=spec.alignment == "bottom_right", **mask_flags, HAS_SOFTCAP=bool(spec.softcap),
         HAS_ALIBI=spec.alibi is not None, HAS_DROPOUT=spec.dropout_p > 0, HAS_SEQUSED=call.seqused_k is not None,
         HAS_SINKS=spec.sinks, **layout_flags(call),
-        SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32,
+        SPLIT_K=num_splits > 1, PACK_GQA=pack_gqa, IEEE=q.dtype == torch.float32, FP8=fp8,
     )
     with on_device(q):
         launch(_attn_fwd, CONFIGS, _prune, grid, args, kwargs, {"Q": q, "max_seqlen_q_bucket": q_bucket}, AUTOTUNE)

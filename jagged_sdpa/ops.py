@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -84,10 +85,11 @@ def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, 
     )
 
 
-def split_grads(spec: AttnSpec, grads) -> tuple:
-    """A backward's (dq, dk, dv[, dslopes][, dsinks]) as (dq, dk, dv, dslopes or None, dsinks or None)."""
-    dslopes = grads[3] if spec.alibi_grad else None
-    dsinks = grads[3 + spec.alibi_grad] if spec.sinks_grad else None
+def split_grads(alibi_grad: bool, sinks_grad: bool, grads) -> tuple:
+    """A backward's (dq, dk, dv[, dslopes][, dsinks]) as (dq, dk, dv, dslopes or None, dsinks or None):
+    the one reading of a backend's gradients, for both autograd paths."""
+    dslopes = grads[3] if alibi_grad else None
+    dsinks = grads[3 + alibi_grad] if sinks_grad else None
     return grads[0], grads[1], grads[2], dslopes, dsinks
 
 
@@ -224,31 +226,34 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, c
 _LIB.impl("attention_backward", _attention_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("jagged_sdpa::attention_backward", _attention_backward_fake, lib=_LIB)
 
+# The operator's arguments by name, in schema order (the dispatcher hands ``setup_context`` the
+# inputs without the trailing ones left at their defaults): tensors saved for the backward, and
+# the scalars that describe the call.
+_ARG_NAMES = tuple(inspect.signature(_attention).parameters)
+_SCALAR_ARGS = ("backend", "options", "max_seqlen_q", "max_seqlen_k")
+_TENSOR_ARGS = tuple(name for name in _ARG_NAMES if name not in _SCALAR_ARGS)
+
+
 def _setup_context(ctx, inputs, output):
     out, lse, state = output
-    # an fp8 cache's scales (inputs 16, 17) never reach here: such a call needs no gradient (refused)
-    prefix_lens, sinks, cache_leftpad = (tuple(inputs[13:16]) + (None, None, None))[:3]
-    ctx.save_for_backward(*inputs[:9], prefix_lens, sinks, cache_leftpad, out, lse, *state)
-    ctx.scalars = inputs[9:13]   # backend, options, max_seqlen_q, max_seqlen_k
+    args = dict(zip(_ARG_NAMES, inputs))
+    ctx.save_for_backward(*(args.get(name) for name in _TENSOR_ARGS), out, lse, *state)
+    ctx.scalars = {name: args[name] for name in _SCALAR_ARGS}
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_state):
-    (q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, dropout_key, prefix_lens, sinks, cache_leftpad, out, lse,
-     *state) = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    args = dict(zip(_TENSOR_ARGS, saved))
+    out, lse, *state = saved[len(_TENSOR_ARGS):]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, cu_q, cu_k, seqused_k,
-                                                     block_table, slopes, dropout_key, *ctx.scalars, prefix_lens,
-                                                     sinks, cache_leftpad)
-    parsed = _parse_options(ctx.scalars[1])
-    dslopes = grads[3] if parsed["alibi_grad"] else None
-    dsinks = grads[3 + parsed["alibi_grad"]] if parsed["sinks_grad"] else None
-    result = (grads[0], grads[1], grads[2], None, None, None, None, dslopes, None, None, None, None, None, None,
-              dsinks, None, None, None)
-    # The dispatcher drops trailing arguments equal to their defaults (prefix_lens, sinks = None)
-    # from the inputs it matches this tuple against.
-    return result[:len(ctx.needs_input_grad)]
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, **args, **ctx.scalars)
+    parsed = _parse_options(ctx.scalars["options"])
+    dq, dk, dv, dslopes, dsinks = split_grads(parsed["alibi_grad"], parsed["sinks_grad"], grads)
+    by_name = {"q": dq, "k": dk, "v": dv, "alibi_slopes": dslopes, "sinks": dsinks}
+    return tuple(by_name.get(name) for name in _ARG_NAMES)[:len(ctx.needs_input_grad)]
 
 
 torch.library.register_autograd("jagged_sdpa::attention", _backward, setup_context=_setup_context, lib=_LIB)
@@ -326,7 +331,7 @@ class _UnobservedAttention(torch.autograd.Function):
         if not (q is call.q and k is call.k and v is call.v):
             call = call.replace(q=q, k=k, v=v)
         grads = ctx.impl.backward(call, out, lse, grad_out.contiguous(), tuple(state))
-        dq, dk, dv, dslopes, dsinks = split_grads(call.spec, grads)
+        dq, dk, dv, dslopes, dsinks = split_grads(call.spec.alibi_grad, call.spec.sinks_grad, grads)
         return None, None, dq, dk, dv, dslopes, dsinks
 
 

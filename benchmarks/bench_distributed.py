@@ -173,7 +173,7 @@ def kernel_rate(lengths, rounds):
 
 def part1(world_sizes, lengths, rounds):
     from jagged_sdpa.distributed import cost
-    from jagged_sdpa.distributed.plan import plan_shards
+    from jagged_sdpa.distributed.shards import plan_shards
 
     rate, single = kernel_rate(lengths, rounds)
     print("## Measured: gloo on this machine\n")
@@ -218,7 +218,7 @@ def part1(world_sizes, lengths, rounds):
 
 def plans_table():
     """max/mean work / max/mean tokens / largest fetched share, per strategy (causal W1 batches)."""
-    from jagged_sdpa.distributed.plan import plan_shards
+    from jagged_sdpa.distributed.shards import plan_shards
     from jagged_sdpa.distributed.routes import remote_rows
 
     print("## Plans: causal W1 lengths scaled to 16K-128K tokens\n")
@@ -249,7 +249,7 @@ GPU_COPY = 2.0e12                                   # local gathers/scatters: ~6
 
 def part2(world_sizes, tokens_per_gpu, fixed_tokens):
     from jagged_sdpa.distributed import cost
-    from jagged_sdpa.distributed.plan import plan_shards
+    from jagged_sdpa.distributed.shards import plan_shards
 
     print("\n## Modelled: 8-1024 GPUs\n")
     print(f"Assumptions: layer Hq={GPU_LAYER['hq']} Hkv={GPU_LAYER['hkv']} D=Dv={GPU_LAYER['d']} bf16, causal, "

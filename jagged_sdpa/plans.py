@@ -35,7 +35,7 @@ class _Prepared:
 
     def __init__(self, spec: AttnSpec, backend: Optional[Backend], notes: tuple):
         self.spec, self.backend, self.notes, self.runner = spec, backend, notes, _NOT_YET
-        # A run that needs a gradient keeps the lse for its backward (``ops.keeping_lse``): made once.
+        # A run that needs a gradient keeps the lse for its backward (``ops.keeping_lse_spec``): made once.
         self.run_spec = ops.keeping_lse_spec(spec)
 
 

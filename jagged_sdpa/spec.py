@@ -146,7 +146,7 @@ class PackedCall:
     was made without a host read, see ``AttnSpec.lengths_known``). dropout_key: int64 CPU (2,)
     [seed, offset] of ``backends.keyed_dropout`` when the call runs with dropout, else None.
     refusal: why the call may not run, raised as a ValueError when its operator runs (a call
-    traced by torch.compile without its max lengths, see ``api._missing_max``), else None.
+    traced by torch.compile without its max lengths, see ``plans.missing_max``), else None.
     prefix_lens: int32 (B,) (docs/api.md section 11) when ``spec.prefix``, else None; prefix_host its values
     read on the host (None when not read). sinks: float (Hq,) when ``spec.sinks``, else None.
     cache_leftpad: int32 (B,) when ``spec.leftpad`` (a dense cache, docs/api.md section 12: sequence b's keys are

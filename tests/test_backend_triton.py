@@ -421,7 +421,7 @@ def test_max_seqlen_bounds_past_the_grid_are_clamped(monkeypatch):
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "gqa-packed"])
 def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
-    from jagged_sdpa.backends.triton.plans import merge_splits
+    from jagged_sdpa.backends.triton.launch_rules import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from calls import prepare_varlen as _prepare_varlen
 
@@ -455,7 +455,7 @@ def test_paged_split_k_bounds_past_2_32(monkeypatch):
     the keys twice, lse off by ln 2), and the backend clamps the bound to the table's width x block
     size before planning."""
     from jagged_sdpa.backends.triton.fwd import launch_fwd
-    from jagged_sdpa.backends.triton.plans import merge_splits
+    from jagged_sdpa.backends.triton.launch_rules import merge_splits
     from calls import prepare_varlen
 
     lens_q, lens_k, hq, hkv, d = [1], [300], 2, 1, 16
@@ -786,13 +786,13 @@ def test_reasons(monkeypatch):
 
 
 def test_split_rule_reads_only_the_spec():
-    from jagged_sdpa.backends.triton.plans import plan_splits
+    from jagged_sdpa.backends.triton.launch_rules import plan_splits
 
     assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=4096)) > 1
     assert plan_splits(_spec(max_seqlen_q=64, max_seqlen_k=4096)) == 1
     assert plan_splits(_spec(max_seqlen_q=1, max_seqlen_k=100)) == 1
     assert IMPLS[Backend.TRITON].plan_notes(_spec()) == ()
-    from jagged_sdpa.backends.triton.plans import plan_group_splits
+    from jagged_sdpa.backends.triton.launch_rules import plan_group_splits
 
     mqa = _spec(heads_q=4, heads_kv=1, batch=1, max_seqlen_q=17, max_seqlen_k=17, needs_grad=True)
     assert plan_group_splits(mqa) == 4

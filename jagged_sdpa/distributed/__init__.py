@@ -6,6 +6,6 @@ over all of them (all-gather of the keys each rank needs, or Ulysses' all-to-all
 """
 
 from jagged_sdpa.distributed.api import DistExplanation, explain, varlen_attention
-from jagged_sdpa.distributed.plan import ShardPlan, plan_shards
+from jagged_sdpa.distributed.shards import ShardPlan, plan_shards
 
 __all__ = ["plan_shards", "ShardPlan", "varlen_attention", "explain", "DistExplanation"]

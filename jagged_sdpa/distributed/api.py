@@ -14,7 +14,7 @@ import torch.distributed as dist
 from jagged_sdpa.distributed import allgather, cost, ulysses
 from jagged_sdpa.distributed.agree import agree, digest
 from jagged_sdpa.distributed.comm import Comm, header_device, resolve
-from jagged_sdpa.distributed.plan import ShardPlan, _validate_window
+from jagged_sdpa.distributed.shards import ShardPlan, _validate_window
 from jagged_sdpa.errors import NoBackendError
 
 ALGORITHMS = ("auto", "allgather", "ulysses")

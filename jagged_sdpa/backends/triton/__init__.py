@@ -1,4 +1,4 @@
-"""TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``; launch plans in ``plans.py``).
+"""TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``; launch rules in ``launch_rules.py``).
 
 Triton decides between compiled and interpreted functions when ``@triton.jit`` runs: for its own
 library functions (``tl.cdiv``, ``tl.philox``) that is when ``triton`` is imported, for ours when
@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 from jagged_sdpa.backends.base import Backend, BackendImpl
-from jagged_sdpa.backends.triton import plans
+from jagged_sdpa.backends.triton import launch_rules
 from jagged_sdpa.checks import Reason
 from jagged_sdpa.checks.capability import Capabilities
 from jagged_sdpa.spec import AttnOutput, AttnSpec, PackedCall
@@ -113,23 +113,23 @@ class TritonBackend(BackendImpl):
             elif _interpreted_state() is False:
                 yield ("triton was imported (compiled) before TRITON_INTERPRET=1 was set - set it before "
                        "importing triton")
-        if spec.batch > plans.MAX_GRID_Z:
-            yield f"batch {spec.batch} > {plans.MAX_GRID_Z} (cuda grid limit) - split the batch"
+        if spec.batch > launch_rules.MAX_GRID_Z:
+            yield f"batch {spec.batch} > {launch_rules.MAX_GRID_Z} (cuda grid limit) - split the batch"
         if spec.paged and not spec.dense_cache and spec.needs_grad:
             yield "paged KV cache with a gradient needed not supported - use packed keys for training"
 
     @classmethod
     def plan_notes(cls, spec: AttnSpec) -> tuple[str, ...]:
-        return plans.plan_notes(plans.clamped(spec))
+        return launch_rules.plan_notes(launch_rules.clamped(spec))
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
         fwd, _ = _kernels()
         call = _clamped(call)
-        splits = plans.plan_splits(call.spec)
-        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=plans.pack_gqa(call.spec))
+        splits = launch_rules.plan_splits(call.spec)
+        result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=launch_rules.pack_gqa(call.spec))
         if splits > 1:
-            out, lse = plans.merge_splits(result.out, result.lse, call.q.dtype)
+            out, lse = launch_rules.merge_splits(result.out, result.lse, call.q.dtype)
             return AttnOutput(out, lse)
         return result
 
@@ -137,11 +137,11 @@ class TritonBackend(BackendImpl):
     def backward(cls, call: PackedCall, out, lse, grad_out, state):
         _, bwd = _kernels()
         call = _clamped(call)
-        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=plans.plan_group_splits(call.spec))
+        return bwd.launch_bwd(call, out, lse, grad_out, group_splits=launch_rules.plan_group_splits(call.spec))
 
 
 def _clamped(call: PackedCall) -> PackedCall:
-    """The call with ``plans.clamped``'s max lengths, which the kernels' launch geometry reads."""
+    """The call with ``launch_rules.clamped``'s max lengths, which the kernels' launch geometry reads."""
     width = call.block_table.shape[1] if call.spec.paged and call.block_table is not None else None
-    spec = plans.clamped(call.spec, width)
+    spec = launch_rules.clamped(call.spec, width)
     return call if spec is call.spec else call.replace(spec=spec)

@@ -408,7 +408,7 @@ def launch_bwd(call: PackedCall, out, lse, grad_out, *, group_splits: int = 1):
     gradient; packed keys or a dense cache, whose dk/dv are cache-shaped and zero outside each
     row's keys; see the module docstring). group_splits > 1 spreads each kv head's query group over
     that many dK/dV programs, which write float32 partials summed here
-    (``plans.plan_group_splits``)."""
+    (``launch_rules.plan_group_splits``)."""
     spec = call.spec
     q, k, v = call.q, call.k, call.v
     dense = bool(spec.dense_cache)

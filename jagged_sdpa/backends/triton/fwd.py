@@ -11,8 +11,8 @@ rows can see (causal / window / chunk / prefix ranges, ``_common._visible_keys``
 every row of the tile sees the whole block.
 Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
 heaviest) query blocks first.
-Decode-shaped calls (rules in ``plans.py``): with num_splits > 1 each program takes one slice of
-the keys and writes a float32 partial output and lse that ``plans.merge_splits`` combines
+Decode-shaped calls (rules in ``launch_rules.py``): with num_splits > 1 each program takes one slice of
+the keys and writes a float32 partial output and lse that ``launch_rules.merge_splits`` combines
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
@@ -376,7 +376,7 @@ if AUTOTUNE:
 
 def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
-    ``plans.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
+    ``launch_rules.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
     (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
     spec = call.spec
     q = call.q

@@ -1,4 +1,4 @@
-"""Launch plans that read only the spec (no tensor data, no host sync), shown by ``explain`` as
+"""Launch rules that read only the spec (no tensor data, no host sync), shown by ``explain`` as
 notes, plus the lse merge of split-K's partial results.
 
 * Split-K (flash-decoding): with one query block per sequence (decode, a short chunk) the forward

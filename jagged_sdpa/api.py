@@ -323,4 +323,5 @@ def _explain_signature() -> inspect.Signature:
 
 explain.__signature__ = _explain_signature()
 if explain.__doc__:  # (None under python -OO)
-    explain.__doc__ += "".join(f"\n        explain{inspect.signature(fn)}  # {fn.__name__}\n" for fn in (sdpa, varlen_attention))
+    explain.__doc__ += "".join(f"\n        explain{inspect.signature(fn)}  # {fn.__name__}\n"
+                               for fn in (sdpa, varlen_attention))

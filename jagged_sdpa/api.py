@@ -288,25 +288,6 @@ def explain(*args, **kwargs) -> Explanation:
     return fn(**bound)
 
 
-def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                  *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None,
-                  chunk_size=None, prefix_lens=None, backend=None):
-    with torch._C.DisableTorchFunctionSubclass():
-        plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
-        return plan.explain(q, k, v, alibi_slopes, sinks)
-
-
-def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
-                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, chunk_size=None, prefix_lens=None, return_lse=False, block_table=None,
-                    seqused_k=None, cache_leftpad=None, backend=None):
-    plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
-                        prefix_lens, cache_leftpad)
-    return plan.explain(q, k, v, alibi_slopes, sinks)
-
-
 def _explain_signature() -> inspect.Signature:
     """``explain``'s signature for ``help()``: q, k, v, then every argument of ``sdpa`` and of
     ``varlen_attention`` (by keyword, or positionally in the order of the function called)."""
@@ -325,3 +306,22 @@ explain.__signature__ = _explain_signature()
 if explain.__doc__:  # (None under python -OO)
     explain.__doc__ += "".join(f"\n        explain{inspect.signature(fn)}  # {fn.__name__}\n"
                                for fn in (sdpa, varlen_attention))
+
+
+def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                  *, causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None,
+                  chunk_size=None, prefix_lens=None, backend=None):
+    with torch._C.DisableTorchFunctionSubclass():
+        plan, q, k, v = _sdpa_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   causal_alignment, window_size, softcap, backend, chunk_size, prefix_lens)
+        return plan.explain(q, k, v, alibi_slopes, sinks)
+
+
+def _explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, dropout_p=0.0,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    sinks=None, chunk_size=None, prefix_lens=None, return_lse=False, block_table=None,
+                    seqused_k=None, cache_leftpad=None, backend=None):
+    plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
+                        prefix_lens, cache_leftpad)
+    return plan.explain(q, k, v, alibi_slopes, sinks)

@@ -5,6 +5,8 @@ and runs or explains it. NJT unwrapping lives here; no backend-specific rule doe
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -229,6 +231,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     Host syncs: ``max_seqlen_q/_k=None`` costs one device-to-host read (on the CPU, reading is
     always done to validate cu_seqlens, and costs microseconds).
 
+    ``backend`` forces one backend, by ``jagged_sdpa.Backend`` or name: ``"flash_varlen"`` and
+    ``"efficient"`` (PyTorch's CUDA kernels), ``"cpu_fused"`` (the compiled CPU kernel),
+    ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``) or ``"math"`` (every device);
+    one that cannot take the call raises ``NoBackendError`` with its reasons. ``None`` (default):
+    the first eligible in that order (``math`` before ``triton`` on the CPU), or in the order of
+    ``use_backends``. ``jagged_sdpa.explain`` shows the choice (docs/api.md section 4).
+
     Example::
 
         cu = torch.tensor([0, 5, 8], dtype=torch.int32)
@@ -260,7 +269,9 @@ def explain(*args, **kwargs) -> Explanation:
     Takes exactly the arguments of either function (a call with ``cu_seqlens_q``, or whose first
     argument is not a nested tensor, is a varlen call), validates them like the call would, and
     runs no attention kernel. ``e.chosen`` is the Backend or None, ``e.reasons`` maps every
-    backend to its list of reasons (empty = eligible), ``print(e)`` shows a table.
+    backend to its list of reasons (empty = eligible), ``print(e)`` shows a table. The signature
+    shown is the union of both forms (the first three by keyword: ``query``/``key``/``value`` or
+    ``q``/``k``/``v``); each form takes only its own function's arguments:
     """
     if "cu_seqlens_q" in kwargs or "q" in kwargs:
         is_varlen = True
@@ -278,6 +289,26 @@ def explain(*args, **kwargs) -> Explanation:
     bound.update(kwargs)
     fn = _explain_varlen if is_varlen else _explain_sdpa
     return fn(**bound)
+
+
+def _explain_signature() -> inspect.Signature:
+    """``explain``'s signature for ``help()``: q, k, v, then every argument of ``sdpa`` and of
+    ``varlen_attention`` (by keyword, or positionally in the order of the function called)."""
+    P = inspect.Parameter
+    forms = [list(inspect.signature(fn).parameters.values())[3:] for fn in (varlen_attention, sdpa)]
+    defaults: dict = {}
+    for param in forms[0] + forms[1]:
+        default = None if param.default is P.empty else param.default
+        defaults[param.name] = default if defaults.get(param.name, default) == default else None  # differ: None
+    params = [P(name, P.POSITIONAL_ONLY) for name in ("q", "k", "v")] + [P("args", P.VAR_POSITIONAL)]
+    params += [P(name, P.KEYWORD_ONLY, default=default) for name, default in defaults.items()]
+    return inspect.Signature(params, return_annotation=Explanation)
+
+
+explain.__signature__ = _explain_signature()
+if explain.__doc__:  # (None under python -OO)
+    explain.__doc__ += "".join(f"\n        explain{inspect.signature(fn)}  # {fn.__name__}\n"
+                               for fn in (sdpa, varlen_attention))
 
 
 def _explain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,

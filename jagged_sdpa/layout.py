@@ -8,6 +8,7 @@ lengths. ``seqlen_stats``/``lengths_stats`` validate what it read. This module d
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -221,13 +222,45 @@ def _njt_with_holes_like(out: Tensor, like: Tensor, cu_seqlens: Tensor, max_seql
                                     output_size=out.shape[0])
     dest = torch.arange(out.shape[0], device=out.device) + shift
     values = out.new_zeros((n_values,) + tuple(out.shape[1:])).index_copy(0, dest, out)
-    njt = torch.nested.nested_tensor_from_jagged(values, offsets=offsets, lengths=lengths, max_seqlen=max_seqlen)
+    njt = _from_jagged(values, offsets=offsets, lengths=lengths, max_seqlen=max_seqlen)
     return njt.transpose(1, 2)
 
 
 def _public_njt(out: Tensor, offsets: Tensor, min_seqlen: Optional[int], max_seqlen: Optional[int]) -> Tensor:
-    njt = torch.nested.nested_tensor_from_jagged(out, offsets=offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+    njt = _from_jagged(out, offsets=offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
     return njt.transpose(1, 2)
+
+
+class _FxTracingNote(logging.Filter):
+    """Drops torch's "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"
+    log line, which ``nested_tensor_from_jagged`` provokes (it asks ``is_fx_tracing()``) and which
+    says nothing about the caller's code."""
+
+    dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("is_fx_tracing will return true"):
+            self.dropped = True
+            return False
+        return True
+
+
+def _from_jagged(values: Tensor, **kwargs) -> Tensor:
+    """``torch.nested.nested_tensor_from_jagged`` without torch's is_fx_tracing log line: our
+    calls (the first ``sdpa`` call's check of the direct path, outputs that need a gradient) do
+    not print it. torch logs it once per process; if ours was the first, the once-only state is
+    reset, so a user's own call still gets it. Traced (``torch.compile``): the plain call."""
+    if torch.compiler.is_compiling():
+        return torch.nested.nested_tensor_from_jagged(values, **kwargs)
+    logger, note = logging.getLogger("torch.fx._symbolic_trace"), _FxTracingNote()
+    logger.addFilter(note)
+    try:
+        return torch.nested.nested_tensor_from_jagged(values, **kwargs)
+    finally:
+        logger.removeFilter(note)
+        once = getattr(torch.fx._symbolic_trace, "is_fx_tracing_warning", None) if note.dropped else None
+        if hasattr(once, "cache_clear"):
+            once.cache_clear()
 
 
 def _seqlen_tensor(value: int) -> Tensor:

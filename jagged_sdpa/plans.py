@@ -149,6 +149,10 @@ class Plan:
         """A kind's first run: check the tensors against the plan (the batch's metadata was checked
         when it was built), build the spec, select (unless only describing: ``choose=False``)."""
         b, o = self._batch, self._options
+        if b.lengths_known and b.names == batches.VARLEN_NAMES:  # a (H, T, D) q or k: say so, before
+            inputs.validate_packed_length(b.names.cu_q, b.cu_q_host, "q", q)  # its heads look wrong
+            if not b.paged and not b.kv_dense:
+                inputs.validate_packed_length(b.names.cu_k, b.cu_k_host, "k", k)
         if not self._inputs_checked:
             inputs.validate_varlen_tensors(q, k, v, b.cu_seqlens_q.device, dense_cache=b.dense_cache,
                                            paged=b.paged and not b.dense_cache, batch=b.size)

@@ -65,6 +65,11 @@ VARLEN_CASES = {
     "cu-q-decreasing": (dict(cu_seqlens_q=torch.tensor([0, 9, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
     "cu-k-short-end": (dict(cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "cu_seqlens_k must end at the packed length 10"),
     "cu-k-past-end": (dict(cu_seqlens_k=torch.tensor([0, 4, 11], dtype=torch.int32)), ValueError, "cu_seqlens_k must end"),
+    # q or k given as (H, T, D), an F.scaled_dot_product_attention layout: named as a layout mistake
+    "q-heads-first": (dict(q=torch.randn(4, 8, 16)), ValueError, "cu_seqlens_q must end at the packed length 4, got 8; "
+                      "but q has shape (4, 8, 16), whose dim 1 is 8: q looks like (heads, tokens, head_dim)"),
+    "k-heads-first": (dict(k=torch.randn(2, 10, 16), v=torch.randn(2, 10, 12)), ValueError,
+                      "cu_seqlens_k must end at the packed length 2, got 10; but k has shape (2, 10, 16)"),
     "cu-k-on-other-device": (dict(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")), ValueError, "cu_seqlens_k is on meta"),
     "max-q-too-small": (dict(max_seqlen_q=4), ValueError, "max_seqlen_q is 4, smaller than the longest sequence in cu_seqlens_q"),
     "max-k-too-small": (dict(max_seqlen_k=5), ValueError, "max_seqlen_k is 5, smaller than the longest sequence in cu_seqlens_k"),
@@ -193,3 +198,80 @@ def test_holey_njt_outside_values_rejected():
                                                  lengths=torch.tensor([3, 5])).transpose(1, 2)
     with pytest.raises(ValueError, match="query has a hole-y sequence 1"):
         jagged_sdpa.sdpa(bad, bad, bad)
+
+
+def test_heads_first_layout_is_named_in_plan_run_and_not_for_plain_length_errors():
+    """Issue 33 item 7 (a): a (H, T, D) tensor is named as a layout mistake by ``plan.run`` too
+    (with the fix to apply); a cu_seqlens that is simply wrong keeps the plain message."""
+    cu = cu_of([3, 5])
+    plan = jagged_sdpa.plan(cu, cu)
+    with pytest.raises(ValueError, match=_literal("q looks like (heads, tokens, head_dim)")) as info:
+        plan.run(torch.randn(4, 8, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16))
+    assert "pass q.transpose(0, 1)" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        jagged_sdpa.varlen_attention(**varlen_args(q=torch.randn(9, 4, 16)))
+    assert str(info.value) == "cu_seqlens_q must end at the packed length 9, got 8"
+
+
+def test_explain_has_a_signature_help_shows():
+    """Issue 33 item 7 (b): ``help(jagged_sdpa.explain)`` shows the arguments of both call forms,
+    not ``(*args, **kwargs)``; the signature follows ``sdpa``'s and ``varlen_attention``'s."""
+    import inspect
+    import pydoc
+
+    params = inspect.signature(jagged_sdpa.explain).parameters
+    for fn in (jagged_sdpa.sdpa, jagged_sdpa.varlen_attention):
+        for name in list(inspect.signature(fn).parameters)[3:]:
+            assert name in params, name
+    assert list(params)[:4] == ["q", "k", "v", "args"]
+    text = pydoc.render_doc(jagged_sdpa.explain)
+    assert "explain(query, key, value, attn_mask=None" in text
+    assert "explain(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None" in text
+    assert "cu_seqlens_q=None" in text and "is_causal=False" in text
+
+
+def test_docstrings_name_the_backends_and_only_files_in_the_repository():
+    """Issue 33 item 7 (c): varlen_attention's docstring names every backend a user can force;
+    the public docstrings cite docs/api.md sections, no other file."""
+    import re
+
+    doc = jagged_sdpa.varlen_attention.__doc__
+    for backend in jagged_sdpa.Backend:
+        assert f'"{backend.value}"' in doc, backend
+    for fn in (jagged_sdpa.varlen_attention, jagged_sdpa.sdpa, jagged_sdpa.plan, jagged_sdpa.explain,
+               jagged_sdpa.Plan, jagged_sdpa.Plan.run, jagged_sdpa.Plan.update, jagged_sdpa.Plan.explain):
+        files = set(re.findall(r"[\w./~-]+\.(?:md|py|cpp|txt|html)\b", fn.__doc__)) - {"docs/api.md"}
+        assert not files and "http" not in fn.__doc__, (fn, files)
+
+
+def test_the_first_njt_call_prints_no_is_fx_tracing_note():
+    """Issue 33 item 7: the first ``sdpa`` call in a process printed torch's "is_fx_tracing will
+    return true ..." log line (our one-time check of the direct NJT path, and outputs that need a
+    gradient, call ``nested_tensor_from_jagged``, which asks ``is_fx_tracing()``). A fresh process,
+    without pytest's warning filters; a user's own ``nested_tensor_from_jagged`` still gets torch's line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch, jagged_sdpa\n"
+        "seqs = [torch.randn(n, 2, 16) for n in (3, 5)]\n"
+        "q = torch.nested.nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)\n"
+        "jagged_sdpa.sdpa(q, q, q, is_causal=True)\n"
+        "g = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=True).transpose(1, 2)\n"
+        "jagged_sdpa.sdpa(g, g, g).values().sum().backward()\n"
+        "print('OUR CALLS DONE', file=sys.stderr, flush=True)\n"
+        "torch.nested.nested_tensor_from_jagged(torch.randn(5, 3), offsets=torch.tensor([0, 2, 5]))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    ours, marker, users = done.stderr.partition("OUR CALLS DONE")
+    assert marker and "is_fx_tracing" not in ours, ours
+    import torch.fx._symbolic_trace as fx_trace
+
+    if hasattr(fx_trace, "is_fx_tracing_warning"):  # torch's own note is left to the user's own call
+        assert "is_fx_tracing" in users, users

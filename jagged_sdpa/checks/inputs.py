@@ -212,6 +212,25 @@ def validate_max_seqlen(name: str, value) -> Optional[int]:
     return int(value)
 
 
+def validate_packed_length(cu_name: str, cu_host, name: str, t: Tensor) -> None:
+    """``cu_host`` (a cu_seqlens read on the host) must end at ``t``'s packed length ``t.shape[0]``.
+
+    When it ends at ``t.shape[1]`` instead, the likely mistake is the layout, not the lengths: a
+    ``(heads, tokens, head_dim)`` tensor where ``(tokens, heads, head_dim)`` is expected; the
+    ValueError says so (a tensor built for ``F.scaled_dot_product_attention`` has heads first)."""
+    if not isinstance(t, Tensor) or t.is_nested or t.dim() != 3:
+        return  # not a packed tensor: ``validate_varlen_tensors`` says what it is
+    total, end = t.shape[0], cu_host[-1]
+    if end == total:
+        return
+    message = f"{cu_name} must end at the packed length {total}, got {end}"
+    if t.shape[1] == end:
+        message += (f"; but {name} has shape {tuple(t.shape)}, whose dim 1 is {end}: {name} looks like "
+                    f"(heads, tokens, head_dim) where packed tensors are (tokens, heads, head_dim) - "
+                    f"pass {name}.transpose(0, 1)")
+    raise ValueError(message)
+
+
 def validate_int32_vector(name: str, t, length: Optional[int], device: torch.device, what: str) -> None:
     validate_tensor(name, t)
     if t.dtype != torch.int32:

@@ -92,7 +92,23 @@ def _backward_case(q_lens, k_lens, hq, hkv, d, dv, *, prefix=None, sinks=False, 
     return build, call
 
 
-def _paged_case(q_lens, used, block_size, hq, hkv, d, *, prefix=None, sinks=False, **opts):
+def _fp8_cache(x, gen, fp8, hkv):
+    """k/v quantized to an fp8 cache (docs/api.md section 13) with per-kv-head scales, NaN bytes
+    (0x7f in both formats) in every slot no row reads being the caller's business."""
+    if fp8 is None:
+        return x
+    x["k_scale"] = torch.rand(hkv, generator=gen) * 0.1 + 0.02
+    x["v_scale"] = torch.tensor(0.05)
+    for name, scale in (("k", x["k_scale"]), ("v", x["v_scale"])):
+        x[name] = (x[name].float() / scale.view(-1, 1)).clamp(-400, 400).to(fp8)
+    return x
+
+
+def _scales_of(x):
+    return {"k_scale": x["k_scale"], "v_scale": x["v_scale"]} if "k_scale" in x else {}
+
+
+def _paged_case(q_lens, used, block_size, hq, hkv, d, *, prefix=None, sinks=False, fp8=None, **opts):
     def build(dtype, gen):
         need = [-(-n // block_size) for n in used]
         num_blocks = sum(need) + 2
@@ -105,12 +121,12 @@ def _paged_case(q_lens, used, block_size, hq, hkv, d, *, prefix=None, sinks=Fals
              "k": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
              "v": _randn(gen, num_blocks, block_size, hkv, d, dtype=dtype),
              "cu_q": _cu(q_lens), "table": table, "used": torch.tensor(used, dtype=torch.int32)}
-        return _add_options(x, gen, dtype, hq, prefix, sinks)
+        return _fp8_cache(_add_options(x, gen, dtype, hq, prefix, sinks), gen, fp8, hkv)
 
     def call(x, backend):
         out, lse = jagged_sdpa.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], None, block_table=x["table"],
                                                 seqused_k=x["used"], return_lse=True, backend=backend,
-                                                **_options_of(x), **opts)
+                                                **_options_of(x), **_scales_of(x), **opts)
         return {"out": out, "lse": lse}
     return build, call
 
@@ -217,6 +233,11 @@ CASES = {
                                                           chunk_size=9, prefix=[20, 0, 2], sinks=True, dropout_p=0.2),
     "sinks_chunk_prefix_paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True,
                                             chunk_size=20, prefix=[10, 77, 0, 5, 33], sinks=True),
+    # docs/api.md section 13: fp8 caches read in place, through tiles and direct rows.
+    "fp8_e4m3_paged": _paged_case([9, 1, 2, 0, 70], [40, 77, 0, 5, 70], 16, 4, 2, 24, causal=True, softcap=4.0,
+                                  fp8=torch.float8_e4m3fn),
+    "fp8_e5m2_paged_odd": _paged_case([1, 1, 3], [33, 1, 130], 5, 8, 2, 40, window_size=(50, 0), causal=True,
+                                      sinks=True, fp8=torch.float8_e5m2),
     "sinks_chunk_prefix_paged_backward": _paged_backward_case([9, 3, 1, 0, 70], [40, 37, 0, 5, 70], 16, 4, 2, 24,
                                                               causal=True, chunk_size=20, prefix=[10, 20, 0, 5, 33],
                                                               sinks=True),

@@ -61,6 +61,7 @@ class CpuFusedBackend(BackendImpl):
         sinks_grad=True,
         chunked=True,
         prefix=True,
+        fp8_cache=True,
         notes=(
             "our compiled kernel, forward and backward (built on first use; needs a C++ compiler; paged caches "
             "read in place in both directions; dropout masks equal math's and triton's). What it cannot run "
@@ -96,6 +97,8 @@ class CpuFusedBackend(BackendImpl):
     def forward(cls, call: PackedCall) -> AttnOutput:
         call = unit_stride(call)
         spec = call.spec
+        if spec.cache_dtype is not None:
+            return _forward_fp8(call)
         out = call.q.new_empty(spec.total_q, spec.heads_q, spec.head_dim_v)
         lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32)
         native.forward(call, out, lse)
@@ -106,7 +109,7 @@ class CpuFusedBackend(BackendImpl):
         """The kernel's parameters built once (``native.ForwardRunner``); per layer only pointers.
         Calls with ALiBi (slopes come per layer) or strided rows take ``forward``."""
         spec = call.spec
-        if call.alibi_slopes is not None or not spec.last_dim_contiguous or spec.needs_grad:
+        if call.alibi_slopes is not None or not spec.last_dim_contiguous or spec.needs_grad or spec.cache_dtype:
             return None
         runner, return_lse = native.ForwardRunner(call), spec.return_lse
 
@@ -119,3 +122,21 @@ class CpuFusedBackend(BackendImpl):
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: object):
         return native.backward(unit_stride(call), _unit_stride(out), lse, _unit_stride(grad_out))
+
+
+def _per_query_head(scale: Tensor, spec: AttnSpec) -> Tensor:
+    """An fp8 cache's scale, () or (Hkv,), as (1, Hq, 1): query head h reads kv head h // group."""
+    return scale.float().reshape(-1).expand(spec.heads_kv).repeat_interleave(spec.gqa_group).view(1, -1, 1)
+
+
+def _forward_fp8(call: PackedCall) -> AttnOutput:
+    """An fp8 cache (docs/api.md section 13): the kernel reads its bytes in place and widens them
+    in registers; k_scale goes into a float32 copy of q (scores = scale * (q k_scale) . k), v_scale
+    onto the float32 output (out = v_scale * sum p v), which is then cast to q's dtype."""
+    spec = call.spec
+    q32 = (call.q.float() * _per_query_head(call.k_scale, spec)).contiguous()
+    out = torch.empty(spec.total_q, spec.heads_q, spec.head_dim_v, dtype=torch.float32)
+    lse = torch.empty(spec.heads_q, spec.total_q, dtype=torch.float32)
+    native.forward(call.replace(q=q32), out, lse)
+    out = out.mul_(_per_query_head(call.v_scale, spec)).to(call.q.dtype)
+    return AttnOutput(out, lse if spec.return_lse else None)

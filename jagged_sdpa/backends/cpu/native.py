@@ -48,9 +48,11 @@ ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-ABI_VERSION = 9
+ABI_VERSION = 10
 # The dtypes the kernel takes (its ``dtype`` code); it computes in float32, so float64 is not one.
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# An fp8 KV cache (docs/api.md section 13): the code names the cache's dtype; q and out are float32.
+FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 # The kernel's work split (attention.cpp): query rows per work item (at most 1024, fewer for head
 # dims over 64; each key block is packed once for them), sequences with at most DIRECT_ROWS queries
@@ -381,7 +383,8 @@ def _params(call: PackedCall, out: Tensor, lse: Tensor, keep: list) -> _Params:
         q.stride(0), q.stride(1), k_tok, k_head, v_tok, v_head, out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1),
         spec.scale, spec.softcap, int(spec.causal), int(spec.alignment == "bottom_right"),
-        left, right, DTYPES[spec.dtype], torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
+        left, right, DTYPES[spec.dtype] if spec.cache_dtype is None else FP8_CODES[spec.cache_dtype],
+        torch.get_num_threads(), Q_CHUNK, DIRECT_ROWS, DIRECT_KEYS,
         seed, offset, spec.dropout_p,
         0 if spec.chunk_size is None else min(spec.chunk_size, _INT64_MAX), ptr(prefix), ptr(sinks), ptr(leftpad),
     )

@@ -244,6 +244,7 @@ JS_VEXP_INLINE vf vexp(vf x) {
 // ld16 widens 16 contiguous elements at once.
 struct F32 {
     typedef float T;
+    typedef F32 QO;  // q and out: in the input dtype, except beside an fp8 cache
     static float ld(const T* p) { return *p; }
     static vf ld16(const T* p) { return loadu(p); }
     static T st(float x) { return x; }
@@ -256,6 +257,7 @@ typedef _Float16 half_t;
 #endif
 struct F16 {
     typedef half_t T;
+    typedef F16 QO;
     static float ld(const T* p) { return static_cast<float>(*p); }
     static vf ld16(const T* p) {
         return build([p](int i) {
@@ -268,6 +270,7 @@ struct F16 {
 };
 struct BF16 {
     typedef uint16_t T;
+    typedef BF16 QO;
     static float ld(const T* p) {
         uint32_t b = static_cast<uint32_t>(*p) << 16;
         float f;
@@ -289,6 +292,43 @@ struct BF16 {
         return static_cast<T>(b >> 16);
     }
 };
+
+// An fp8 KV cache (docs/api.md section 13): K and V are bytes, widened exactly to float32 on load
+// (the cache itself is never converted); q and out are float32 (QO), so that native.py folds
+// k_scale into q and v_scale into out. Both formats widen through the half-precision conversion
+// (F16C on x86, fcvt on Arm): an e5m2 byte is the high byte of its binary16; an e4m3fn magnitude
+// shifted into binary16's exponent and mantissa fields is its value times 2^-8, subnormals
+// included, and S.1111.111 is NaN (e4m3fn has no infinity).
+template <bool E4M3>
+struct FP8 {
+    typedef uint8_t T;
+    typedef F32 QO;
+    static float ld(const T* p) {
+        const uint16_t b = *p;
+        uint16_t h = E4M3 ? static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)) : static_cast<uint16_t>(b << 8);
+        half_t x;
+        std::memcpy(&x, &h, 2);
+        if (!E4M3) return static_cast<float>(x);
+        return (b & 0x7fu) == 0x7fu ? NAN : static_cast<float>(x) * 256.f;
+    }
+    static vf ld16(const T* p) {
+        return build([p](int i) {
+            typename Native<uint8_t, NL>::type b;
+            std::memcpy(&b, p + i * NL, sizeof b);
+            typedef typename Native<uint16_t, 2 * NL>::type nvh;
+            const nvh w = __builtin_convertvector(b, nvh);
+            const nvh bits = E4M3 ? static_cast<nvh>(((w & 0x80) << 8) | ((w & 0x7f) << 7)) : static_cast<nvh>(w << 8);
+            typename Native<half_t, 2 * NL>::type h;
+            std::memcpy(&h, &bits, sizeof h);
+            nvf x = __builtin_convertvector(h, nvf);
+            if (!E4M3) return x;
+            const nvi nan = __builtin_convertvector(w & 0x7f, nvi) == 0x7f;
+            return nan ? lanes_of(NAN, std::make_index_sequence<NL>{}) : x * 256.f;
+        });
+    }
+};
+typedef FP8<true> E4M3;
+typedef FP8<false> E5M2;
 
 #if JS_BF16_DOT
 // exp(x) for probabilities that are rounded to bf16 (8-bit mantissa) before their product: 2^f
@@ -363,6 +403,15 @@ inline __m512i row_words(F16, const _Float16* p, int n) {
 inline __m512i row_words(BF16, const uint16_t* p, int n) {
     return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes16(n), p)), 16);
 }
+template <bool E4M3>
+inline __m512i row_words(FP8<E4M3>, const uint8_t* p, int n) {  // n bytes copied: nothing past the row is read
+    alignas(64) uint8_t t[16] = {};
+    std::memcpy(t, p, n);
+    const vf x = FP8<E4M3>::ld16(t);
+    __m512i r;
+    std::memcpy(&r, &x, sizeof r);
+    return r;
+}
 // The first n (0..32) bf16 elements of a row as 16 words of pairs, the rest zero.
 inline __m512i row_pairs(const void* p, int n) {  // p: bf16 elements
     return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u), p);
@@ -396,7 +445,7 @@ struct JsParams {
     float scale, softcap;
     int32_t causal, bottom_right;
     int64_t window_left, window_right;
-    int32_t dtype;           // 0 float32, 1 float16, 2 bfloat16
+    int32_t dtype;           // 0 float32, 1 float16, 2 bfloat16; k/v fp8 (q and out float32): 3 e4m3fn, 4 e5m2
     int32_t threads;
     // Work split (tests shrink them to reach every path on small shapes): query rows per item
     // (capped by chunk_rows), sequences with at most direct_rows queries run as direct rows, whose keys
@@ -1282,10 +1331,11 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     const int64_t len_k = key_count(p, b);
     const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
     const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
-    const T* q = static_cast<const T*>(p.q) + row * p.q_tok;
+    typedef typename IO::QO QO;
+    const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + row * p.q_tok;
     for (int64_t h = 0; h < heads; ++h) {
         if (!pairs)
-            for (int64_t e = 0; e < d; ++e) qv[h * d + e] = IO::ld(q + h * p.q_head + e) * p.scale;
+            for (int64_t e = 0; e < d; ++e) qv[h * d + e] = QO::ld(q + h * p.q_head + e) * p.scale;
         m[h] = -INFINITY;
         l[h] = 0.f;
     }
@@ -1378,10 +1428,10 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
                               o + h * dvo);
         }
     }
-    T* out = static_cast<T*>(p.out) + row * p.o_tok;
+    typename QO::T* out = static_cast<typename QO::T*>(p.out) + row * p.o_tok;
     for (int64_t h = 0; h < heads; ++h) {
         direct_unpermute<IO>(o + h * dvo, dvo);
-        finish_row<IO>(o + h * dvo, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
+        finish_row<QO>(o + h * dvo, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
                        p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
     }
 }
@@ -1427,8 +1477,9 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
                            w.pbh.data());
         return;
     }
-    const T* q = static_cast<const T*>(p.q);
-    T* out = static_cast<T*>(p.out);
+    typedef typename IO::QO QO;
+    const typename QO::T* q = static_cast<const typename QO::T*>(p.q);
+    typename QO::T* out = static_cast<typename QO::T*>(p.out);
     const int64_t d = p.head_dim, dv = p.head_dim_v, dvp = (dv + W - 1) / W * W;
     const int64_t hk = it.h / (p.heads_q / p.heads_kv);
     const int64_t q0 = p.cu_q[it.b] + it.row0;  // first packed query row of the item
@@ -1460,12 +1511,12 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     uint32_t* kt2 = w.kt2.data();
     uint16_t* vp2 = w.vp2.data();
     for (int r = 0; r < rows; ++r) {
-        const T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
+        const typename QO::T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
         if (bf16_dot) {
             std::memcpy(qb + r * 2 * pairs, src, d * sizeof(T));
             std::fill(qb + r * 2 * pairs + d, qb + (r + 1) * 2 * pairs, static_cast<uint16_t>(0));
         } else {
-            for (int64_t e = 0; e < d; ++e) qp[r * d + e] = IO::ld(src + e) * p.scale;
+            for (int64_t e = 0; e < d; ++e) qp[r * d + e] = QO::ld(src + e) * p.scale;
         }
         m[r] = -INFINITY;
         lv[r] = splat(0.f);
@@ -1528,7 +1579,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     if (amx) _tile_release();
 #endif
     for (int r = 0; r < rows; ++r)
-        finish_row<IO>(o + r * dvp, m[r], hsum(lv[r]), sink_of(p, it.h), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
+        finish_row<QO>(o + r * dvp, m[r], hsum(lv[r]), sink_of(p, it.h), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
                        p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
 }
 
@@ -2404,6 +2455,8 @@ extern "C" int js_attention_forward(const JsParams* p) {
         case 0: run_all<F32>(*p); return 0;
         case 1: run_all<F16>(*p); return 0;
         case 2: run_all<BF16>(*p); return 0;
+        case 3: run_all<E4M3>(*p); return 0;
+        case 4: run_all<E5M2>(*p); return 0;
         default: return 2;
     }
 }
@@ -2418,7 +2471,7 @@ extern "C" int js_attention_backward(const JsGradParams* g) {
     }
 }
 
-extern "C" int js_abi_version() { return 9; }
+extern "C" int js_abi_version() { return 10; }
 
 // What bf16 tiles run on in this process, forward and backward: 2 AMX (tdpbf16ps), 1 AVX512-BF16
 // (vdpbf16ps), 0 float32 FMAs on widened values. Tests and the benchmark read it.

@@ -37,6 +37,9 @@ Design
   ``varlen``, ``paged``, ``sdpa`` and ``sdpa_dense`` take them; the reference and the float32
   naive path apply them; the sinks' gradient is checked like every other leaf's; wrong sinks,
   chunk sizes and prefix lengths are ``invalid`` cases.
+* fp8 KV caches (docs/api.md section 13): a share ``FP8_SHARE`` of the forward-only ``paged`` cases
+  stores its cache in ``float8_e4m3fn`` or ``float8_e5m2`` with per-tensor or per-kv-head scales
+  (drawn from a stream of its own); the reference and the naive path read the dequantized values.
 * Failures are collected, never raised: each prints one line with its repro command and the run
   goes on. ``classify`` matches a failure against ``KNOWN`` (open bugs, one entry
   per class; delete an entry once its fix lands).
@@ -125,6 +128,9 @@ CPU_LSE_EXACT = 256.0
 # Share of the cases with ordinary scores that the default mode turns into large-logit cases.
 LARGE_SHARE = 0.2
 OPTIONS_SHARE = 0.3
+# Share of the forward-only paged cases whose cache is fp8 (docs/api.md section 13), drawn from a
+# stream of its own.
+FP8_SHARE = 0.3
 OPTION_ENTRIES = ("varlen", "paged", "sdpa", "sdpa_dense")
 MODES = ("default", "large", "options")
 
@@ -238,6 +244,10 @@ def make_case(seed: int, index: int, backend=None, entry=None, mode=None) -> dic
     lrng = random.Random(f"{seed}-{index}-large")
     if mode == "large" or (mode in (None, "default") and scores == "normal" and lrng.random() < LARGE_SHARE):
         _large_logits(case, lrng)
+    frng = random.Random(f"{seed}-{index}-fp8")
+    if (en == "paged" and not case["grad"] and not case["dropout"] and case["invalid"] is None and not case["meta"]
+            and case["nan"] is None and dtype != "float64" and frng.random() < FP8_SHARE):
+        case["fp8"] = (frng.choice(["float8_e4m3fn", "float8_e5m2"]), frng.choice(["tensor", "head"]))
     orng = random.Random(f"{seed}-{index}-options")
     if en in OPTION_ENTRIES and not case["meta"] and (
             mode == "options" or (mode in (None, "default") and case["scores"] != "large" and orng.random() < OPTIONS_SHARE)):
@@ -367,6 +377,8 @@ def build(case):
                 kc, vc, table, used, pk, pv = paged_case(q_lens if batch else [], k_lens, case["block_size"], hkv,
                                                          max(d, dv), dtype,
                                                          shared_first_block=case["shared_first_block"])
+            if case.get("fp8"):
+                kc, vc, pk, pv = _fp8_cache(case, b, gen, kc, vc, pk, pv)
             b["k_cache_full"], b["v_cache_full"] = kc, vc
             kc, vc = kc[..., :d], vc[..., :dv]
             k, v = pk[..., :d].contiguous(), pv[..., :dv].contiguous()
@@ -412,6 +424,29 @@ def build(case):
         b["prefix_lens"] = torch.tensor([prng.choice([0, n, prng.randint(0, n)]) for n in _key_lens(case, b)],
                                         dtype=torch.int32)
     return b
+
+
+def _fp8_cache(case, b, gen, kc, vc, pk, pv):
+    """The case's caches stored in fp8 with per-tensor or per-kv-head scales (docs/api.md section 13):
+    the caches quantized (NaN slots stay NaN), and the packed keys/values the reference reads, the
+    dequantized float32 values ``x.float() * scale``."""
+    fp8, kind = getattr(torch, case["fp8"][0]), case["fp8"][1]
+    hkv = case["hkv"]
+    size = 1 if kind == "tensor" else hkv
+    b["k_scale"], b["v_scale"] = (torch.rand(size, generator=gen) * 0.2 + 0.01 for _ in range(2))
+    if kind == "tensor":
+        b["k_scale"], b["v_scale"] = b["k_scale"][0], b["v_scale"][0]
+    largest = torch.finfo(fp8).max
+
+    def quantize(x, scale):
+        return (x.float() / scale.reshape(-1, 1)).clamp(-largest, largest).to(fp8)
+
+    def dequantize(x8, scale):
+        return x8.float() * scale.reshape(-1, 1)
+
+    kc8, vc8 = quantize(kc, b["k_scale"]), quantize(vc, b["v_scale"])
+    return (kc8, vc8, dequantize(quantize(pk, b["k_scale"]), b["k_scale"]),
+            dequantize(quantize(pv, b["v_scale"]), b["v_scale"]))
 
 
 def _key_lens(case, b):
@@ -636,6 +671,8 @@ def call_library(case, b, mutate=None):
         if en in ("paged", "append"):
             args["cu_seqlens_k"] = None
             kw["block_table"], kw["seqused_k"] = b["table"], b["seqused"]
+            if case.get("fp8"):
+                kw["k_scale"], kw["v_scale"] = b["k_scale"], b["v_scale"]
         elif case["seqused"]:
             kw["seqused_k"] = b["seqused"]
         kw.update(_section11_kwargs(case, b))

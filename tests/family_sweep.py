@@ -319,17 +319,18 @@ def run_family(family: str) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from jagged_sdpa.integrations import transformers as jt
+    from jagged_sdpa.integrations.transformers import attention as jt_attention
 
     name = jt.register()
-    if not getattr(jt.varlen_attention, "_sweep_counted", False):  # count the jagged attention calls (this process)
-        original = jt.varlen_attention
+    if not getattr(jt_attention.varlen_attention, "_sweep_counted", False):  # count the jagged attention calls
+        original = jt_attention.varlen_attention
 
         def counted(*args, **kwargs):
             _CALLS[0] += 1
             return original(*args, **kwargs)
 
         counted._sweep_counted = True
-        jt.varlen_attention = counted
+        jt_attention.varlen_attention = counted
     record = {"family": family, "status": None, "detail": "", "classes": []}
     try:
         classes = model_classes(family)

@@ -318,19 +318,20 @@ def run_family(family: str) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from jagged_sdpa.integrations import transformers as jt
-    from jagged_sdpa.integrations.transformers import attention as jt_attention
+    from transformers.modeling_utils import AttentionInterface
 
-    name = jt.register()
-    if not getattr(jt_attention.varlen_attention, "_sweep_counted", False):  # count the jagged attention calls
-        original = jt_attention.varlen_attention
+    from jagged_sdpa.integrations import transformers as jt
+
+    name = "jagged_sweep"  # the jagged attention, counting its calls in this process
+    if not getattr(AttentionInterface._global_mapping.get(name), "_sweep_counted", False):
+        jt.register(name)
 
         def counted(*args, **kwargs):
             _CALLS[0] += 1
-            return original(*args, **kwargs)
+            return jt.jagged_attention_forward(*args, **kwargs)
 
         counted._sweep_counted = True
-        jt_attention.varlen_attention = counted
+        AttentionInterface.register(name, counted)
     record = {"family": family, "status": None, "detail": "", "classes": []}
     try:
         classes = model_classes(family)

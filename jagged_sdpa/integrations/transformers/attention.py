@@ -13,10 +13,11 @@ import logging
 
 import torch
 
+import jagged_sdpa
 from jagged_sdpa.api import varlen_attention
 
 from .packing import packed_from_position_ids
-from .unpad import unpad_info
+from .unpad import RANGES_ATTR, unpad_info
 
 _logger = logging.getLogger("jagged_sdpa")
 _warned_output_attentions = [False]
@@ -64,11 +65,12 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     B, Hq, Q, D = query.shape
-    K, Hkv, Dv = key.shape[2], key.shape[1], value.shape[-1]
+    K, Dv = key.shape[2], value.shape[-1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     # Traced by torch.compile (transformers' static-cache recipe): the mask is read as a tensor only
     # (``_traced_in_place``), so nothing is read on the host and one graph serves every decode step.
-    traced = attention_mask is not None and torch.compiler.is_compiling()
+    compiling = torch.compiler.is_compiling()
+    traced = attention_mask is not None and compiling
     info = unpad_info(attention_mask, B, Q, K) if attention_mask is not None and not traced else None
     if info is not None and info.causal is not None:
         causal = info.causal  # the mask's pattern is what eager applies (see Unpad.causal)
@@ -80,27 +82,27 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
         # eager: causal keeps kv > q - sw (sw tokens including itself); bidirectional |q - kv| <= sw
         window = (sw - 1, 0) if causal else (sw, sw)
     dropout_p = float(dropout) if module.training else 0.0
-    options = dict(dropout_p=dropout_p, softmax_scale=scaling, causal=causal, window_size=window,
-                   softcap=float(softcap) if softcap else 0.0)
-    if kwargs.get("s_aux") is not None:  # gpt-oss and others: learned per-head sinks (docs/api.md section 11)
-        options["sinks"] = kwargs["s_aux"]
+    softcap = float(softcap) if softcap else 0.0
+    sinks = kwargs.get("s_aux")  # gpt-oss and others: learned per-head sinks (docs/api.md section 11)
+    chunk = prefix_lens = None
     packed_by_eager = False
     if info is not None:  # the mask's overlays (see Overlay)
         packed_by_eager = info.packed
         if info.window is not None:
-            window = options["window_size"] = info.window
-        if info.chunk is not None:
-            options["chunk_size"] = info.chunk
-        if info.prefix_lens is not None:
-            options["prefix_lens"] = info.prefix_lens
+            window = info.window
+        chunk, prefix_lens = info.chunk, info.prefix_lens
         if not info.padded:
             info = None  # a marker only: no padding to remove
+    options = dict(dropout_p=dropout_p, softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap)
+    if chunk is not None:
+        options["chunk_size"] = chunk
+    key_of_options = (dropout_p, scaling, causal, window, softcap, chunk)
 
-    q = query.transpose(1, 2)  # (B, Q, Hq, D)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
     if traced:
-        return _traced_in_place(q.reshape(B * Q, Hq, D), k, v, attention_mask, options).view(B, Q, Hq, Dv), None
+        q = query.transpose(1, 2).reshape(B * Q, Hq, D)
+        out = _traced_in_place(q, key.transpose(1, 2), value.transpose(1, 2), attention_mask, prefix_lens, sinks,
+                               options)
+        return out.view(B, Q, Hq, Dv), None
 
     if info is not None:
         if info.keys_only and window != (-1, -1):
@@ -120,23 +122,35 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
                 "of its queries (e.g. a prompt with padding inside it); the distances would differ from "
                 "eager. Decoding one token per row past such padding is supported"
             )
-        if info.queries_full or (info.queries_left_padded and causal and "prefix_lens" not in options):
+        if info.queries_full or (info.queries_left_padded and causal and prefix_lens is None):
             # every query row is real (or a left-padded prompt's, which sees no key under causal
             # masking) and each row's keys are one run of cache slots: read the cache where it lies
             # (docs/api.md section 12), no gather of K/V and no scatter of the output
-            out = varlen_attention(query.transpose(1, 2).reshape(B * Q, Hq, D), k, v, info.cu_seqlens_full, None,
-                                   Q, info.max_seqlen_k, seqused_k=info.seqused_k, cache_leftpad=info.cache_leftpad,
-                                   **options)
+            plan = info.plan(("in place",) + key_of_options, lambda: jagged_sdpa.plan(
+                info.cu_seqlens_full, None, Q, info.max_seqlen_k, seqused_k=info.seqused_k,
+                cache_leftpad=info.cache_leftpad, prefix_lens=prefix_lens, **options))
+            out = plan.run(query.transpose(1, 2).reshape(B * Q, Hq, D), key.transpose(1, 2), value.transpose(1, 2),
+                           sinks=sinks)
             return out.view(B, Q, Hq, Dv), None
         # one gather per tensor, straight from (B, H, S, D): no full (B, S, H, D) copy first
-        q = query[info.rows_q[0], :, info.rows_q[1]]  # (total_q, Hq, D)
-        k = key[info.rows_k[0], :, info.rows_k[1]]
-        v = value[info.rows_k[0], :, info.rows_k[1]]
-        out = varlen_attention(q, k, v, info.cu_seqlens_q, info.cu_seqlens_k, info.max_seqlen_q,
-                               info.max_seqlen_k, **options)
+        rows_q, rows_k = info.rows_q, info.rows_k
+        q = query[rows_q[0], :, rows_q[1]]  # (total_q, Hq, D)
+        k = key[rows_k[0], :, rows_k[1]]
+        v = value[rows_k[0], :, rows_k[1]]
+        plan = info.plan(("packed",) + key_of_options, lambda: jagged_sdpa.plan(
+            info.cu_seqlens_q, info.cu_seqlens_k, info.max_seqlen_q, info.max_seqlen_k, prefix_lens=prefix_lens,
+            **options))
+        out = plan.run(q, k, v, sinks=sinks)
         full = out.new_zeros(B * Q, Hq, Dv).index_copy(0, info.indices_q, out)
         return full.view(B, Q, Hq, Dv), None
 
+    if prefix_lens is not None:
+        options["prefix_lens"] = prefix_lens
+    if sinks is not None:
+        options["sinks"] = sinks
+    q = query.transpose(1, 2)  # (B, Q, Hq, D)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
@@ -162,23 +176,29 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             out = varlen_attention(q.reshape(B * Q, Hq, D), k, v, cu_q, None, Q, K, seqused_k=used, **options)
             return out.view(B, Q, Hq, Dv), None
         else:  # dense: B sequences of Q queries and K keys (new queries are the last keys)
-            cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
-            cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=query.device)
+            cu_q, cu_k = _dense_offsets(B, Q, K, query.device) if not compiling else _offsets(B, Q, K, query.device)
             max_q, max_k = Q, K
-    out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, Hkv, D), v.reshape(B * K, Hkv, Dv),
+    out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, k.shape[2], D), v.reshape(B * K, v.shape[2], Dv),
                            cu_q, cu_k, max_q, max_k, **options)
     return out.view(B, Q, Hq, Dv), None
 
 
-def _traced_in_place(q, k, v, mask, options):
-    """The in-place call of a traced forward, from the mask tensor alone: the compact bool
-    ``(B, 1, 1, Q + K)`` mask (or the keys-only additive ``(B, 1, 1, K)`` one) gives each row's first
-    valid key slot and their count as tensors; ``K`` bounds ``max_seqlen_k``. Every query row is
-    computed: a padded one sees no key under causal masking (left padding), and its output is never
-    read as a key. Padding between real keys cannot be expressed by a range: a device-side assert
-    fails loudly instead of returning other numbers."""
+def _traced_in_place(q, k, v, mask, prefix_lens, sinks, options):
+    """The in-place call of a traced forward, from the mask tensor alone. The hook's mask (compact,
+    or eager's layout for the static-cache decode step) carries the rows' ranges it computed on the
+    host (``unpad.RANGES_ATTR``, graph inputs like the mask): every layer reads the same tensors. Without them (a keys-only additive ``(B, 1, 1, K)``
+    mask, or padding between real keys) each row's first valid key slot and their count are computed
+    from the mask; ``K`` bounds ``max_seqlen_k``. Every query row is computed: a padded one sees no
+    key under causal masking (left padding), and its output is never read as a key. Padding between
+    real keys cannot be expressed by a range: a device-side assert fails loudly instead of returning
+    other numbers."""
     B, K = k.shape[0], k.shape[1]
     Q = q.shape[0] // max(B, 1)
+    extra = dict(options, prefix_lens=prefix_lens, sinks=sinks)
+    ranges = getattr(mask, RANGES_ATTR, None)
+    if ranges is not None and mask.shape[-1] in (Q + K, K):
+        cu_q, used, first = ranges
+        return varlen_attention(q, k, v, cu_q, None, Q, K, seqused_k=used, cache_leftpad=first, **extra)
     if mask.dtype == torch.bool and mask.shape[-1] == Q + K:
         key_valid = mask.reshape(B, Q + K)[:, Q:]
     elif mask.shape[-1] == K:
@@ -196,7 +216,18 @@ def _traced_in_place(q, k, v, mask, options):
                         "jagged_sdpa: under torch.compile a row's real keys must be one run of cache slots "
                         "(left padding); this mask has padding between real tokens")
     cu_q = torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=q.device)[:B + 1]
-    return varlen_attention(q, k, v, cu_q, None, Q, K, seqused_k=used, cache_leftpad=first, **options)
+    return varlen_attention(q, k, v, cu_q, None, Q, K, seqused_k=used, cache_leftpad=first, **extra)
+
+
+def _offsets(B: int, Q: int, K: int, device: torch.device) -> tuple:
+    """cu_seqlens_q/_k of B rows of Q queries and K keys each."""
+    cu_q = torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=device)[:B + 1]
+    cu_k = cu_q if K == Q else torch.arange(0, (B + 1) * K, max(K, 1), dtype=torch.int32, device=device)[:B + 1]
+    return cu_q, cu_k
+
+
+# the same tensors for every layer and forward of one shape, so the batch is validated once
+_dense_offsets = functools.lru_cache(maxsize=16)(_offsets)
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,17 +7,17 @@ runs transformers' own SDPA (the function that held the "sdpa" entry before).
 Per step, once for each cache group (full / sliding attention), and shared by every layer of the
 step: the group's lengths, its block table (derived from transformers' read indices and checked
 against them) and the mode. Per layer: write the new K/V into the cache (transformers' own update,
-write only) and attend."""
+write only) and run the group's plan."""
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_utils import AttentionInterface
 
-from jagged_sdpa.api import varlen_attention
+import jagged_sdpa
 
 from .attention import as_int
 
@@ -36,19 +36,23 @@ stats = {"paged": 0, "packed": 0, "gather": 0, "fallback": 0, "groups": 0}
 
 @dataclass
 class _Group:
-    """One step's attention metadata for one cache group (what a plan would hold)."""
+    """One step's attention for one cache group, shared by every layer of the step: its mode, the
+    totals that cut the step's padded tensors, and the batch its plans run (``jagged_sdpa.plan``,
+    docs/api.md section 10): made at the group's first layer of the step, run by every other."""
 
     mode: str  # "paged": keys read in place through a block table; "packed": only new keys (no past);
     # "gather": transformers' own cache read (sliding-window ring buffers); "fallback": transformers' SDPA
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
     total_q: int = 0
     total_k: int = 0
-    block_table: torch.Tensor | None = None
-    seqused_k: torch.Tensor | None = None
     write_only: list | None = None  # read indices that make transformers' cache.update write without reading
+    batch: dict = field(default_factory=dict)  # jagged_sdpa.plan's arguments but the softmax scale
+    plans: dict = field(default_factory=dict)  # softmax scale -> its plan
+
+    def plan(self, scaling):
+        found = self.plans.get(scaling)
+        if found is None:
+            found = self.plans[scaling] = jagged_sdpa.plan(**self.batch, softmax_scale=scaling)
+        return found
 
 
 def _step_version(t: torch.Tensor):
@@ -114,19 +118,23 @@ def _build_group(kwargs: dict, cache, allocator) -> _Group:
     max_k = as_int(max_k_all[allocator.layer_type], "max_length_k")
     total_q, total_k = torch.stack([cu_q[-1], cu_k[-1]]).tolist()  # the step's one host read
     reads = read_index[allocator.index]
-    no_reads = [r[:0] for r in read_index]
-    common = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, total_q=total_q,
-                  total_k=total_k, write_only=no_reads)
+    common = dict(total_q=total_q, total_k=total_k, write_only=[r[:0] for r in read_index])
+    gather = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=True)
     if allocator.layer_type != "full_attention" or not getattr(allocator, "supports_block_table", False):
-        return _Group("gather", **common)  # sliding window: a ring buffer, read through transformers
+        # a ring buffer, read through transformers
+        if allocator.layer_type == "sliding_attention":
+            sw = getattr(allocator, "sliding_window", None) or getattr(cache.config, "sliding_window", None)
+            gather["window_size"] = (int(sw) - 1, 0)  # transformers' CB mask: a query sees the sw keys up to itself
+        return _Group("gather", batch=gather, **common)
     if reads.numel() == 0:
         # no request has a past: the keys are the new tokens (transformers returns them as they are)
-        return _Group("packed", **common) if torch.equal(cu_k, cu_q) else _Group("gather", **common)
+        return _Group("packed" if torch.equal(cu_k, cu_q) else "gather", batch=gather, **common)
     seqused = cu_k.diff()
     table = block_table_of(reads, cu_k, seqused, max_k, allocator.tokens_per_page, total_k)
     if table is None:
-        return _Group("gather", **common)
-    return _Group("paged", block_table=table, seqused_k=seqused.to(torch.int32), **common)
+        return _Group("gather", batch=gather, **common)
+    return _Group("paged", batch=dict(cu_seqlens_q=cu_q, cu_seqlens_k=None, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                      block_table=table, seqused_k=seqused.to(torch.int32), causal=True), **common)
 
 
 def _supported(query, kwargs, dropout, module) -> bool:
@@ -179,20 +187,12 @@ def _attend(module, query, key, value, scaling, kwargs, cache, allocator, group:
         cache.update(key_states=key, value_states=value, layer_idx=layer,
                      kwargs=dict(kwargs, read_index=group.write_only))
     q = query[0].transpose(0, 1)[: group.total_q]  # (total_q, Hq, D)
-    window = (-1, -1)
-    if group.mode == "gather" and allocator.layer_type == "sliding_attention":
-        sw = getattr(allocator, "sliding_window", None) or getattr(cache.config, "sliding_window", None)
-        window = (int(sw) - 1, 0)  # transformers' CB mask: a query sees the sw keys up to itself
-    options = dict(softmax_scale=scaling, causal=True, window_size=window)
     if group.mode == "paged":
-        k_pages, v_pages = allocator.get_cache_for_block_table(layer)
-        out = varlen_attention(q, k_pages, v_pages, group.cu_seqlens_q, None, group.max_seqlen_q, group.max_seqlen_k,
-                               block_table=group.block_table, seqused_k=group.seqused_k, **options)
+        k, v = allocator.get_cache_for_block_table(layer)
     else:
         k = key[0].transpose(0, 1)[: group.total_k]
         v = value[0].transpose(0, 1)[: group.total_k]
-        out = varlen_attention(q, k, v, group.cu_seqlens_q, group.cu_seqlens_k, group.max_seqlen_q,
-                               group.max_seqlen_k, **options)
+    out = group.plan(scaling).run(q, k, v)
     if group.total_q < T:  # padded steps (static shapes): padded rows are zeros
         out = torch.cat([out, out.new_zeros(T - group.total_q, Hq, Dv)])
     return out.unsqueeze(0)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 from transformers import masking_utils
 
-from .families import family_computes_attention
 from .mask_functions import Overlay
-from .unpad import EAGER_VERSION_ATTR, UNPAD_ATTR, marker_info
+from .unpad import EAGER_VERSION_ATTR, RANGES_ATTR, UNPAD_ATTR, marker_info
 
 
-def model_reads_mask(config, overlay: Overlay, kwargs) -> bool:
+def model_reads_mask(overlay: Overlay, kwargs, config_reads_mask: bool) -> bool:
     """Whether the model's own code uses the mask, not only hands it to the attention function:
 
     - the caller asked for a materialized mask (``allow_is_causal_skip=False``, or
@@ -23,17 +22,13 @@ def model_reads_mask(config, overlay: Overlay, kwargs) -> bool:
       Doge its dynamic mask), unless transformers set it itself for packed sequences
       (the packed path reads position_ids); the static-cache decode step that transformers also
       materializes is a (B, 1, 1, K) mask, as small as ours;
-    - the config says the model's router reads the padding from the mask (NLLB-MoE's
-      ``router_ignore_padding_tokens=False``: it reads the last query row of eager's mask);
-    - the family's modeling module does not use transformers' attention-function registry
-      (``family_computes_attention``): its own attention code adds the mask to its scores as eager's.
+    - ``config_reads_mask``: the config says the model's router reads the padding from the mask
+      (NLLB-MoE's ``router_ignore_padding_tokens=False``: it reads the last query row of eager's mask),
+      or the family's modeling module does not use transformers' attention-function registry
+      (``families.family_computes_attention``): its own attention code adds the mask to its scores.
     """
     skip = kwargs.get("allow_is_bidirectional_skip" if overlay.keys_only else "allow_is_causal_skip", True)
-    if skip is False and not overlay.packed:
-        return True
-    if config is None:
-        return False
-    return getattr(config, "router_ignore_padding_tokens", None) is False or family_computes_attention(config)
+    return (skip is False and not overlay.packed) or config_reads_mask
 
 
 def eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap, device,
@@ -59,6 +54,9 @@ def with_eager_layout(compact, overlay, batch_size, q_length, kv_length, q_offse
         info = marker_info(int(q_length), int(kv_length), causal=overlay.causal, keys_only=overlay.keys_only,
                            packed=overlay.packed)
     setattr(mask, UNPAD_ATTR, info)
+    ranges = getattr(compact, RANGES_ATTR, None) if compact is not None else None
+    if ranges is not None:  # what a traced layer reads (the static-cache decode step gets this layout)
+        setattr(mask, RANGES_ATTR, ranges)
     if not torch.compiler.is_compiling():  # a model that edits it in place is refused (unpad_info)
         setattr(mask, EAGER_VERSION_ATTR, mask._version)
     return mask

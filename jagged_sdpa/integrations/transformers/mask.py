@@ -11,13 +11,17 @@ and keep every query row, as eager does, and a known pattern overrides the modul
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from .eager import eager_mask, model_reads_mask, with_eager_layout
 from .families import family_computes_attention, refuse_compressed_layers
 from .mask_functions import Overlay, overlay_of, overlay_refused
 from .overlays import block_prefix_lens, chunk_keys, window_keys
-from .unpad import UNPAD_ATTR, marker_info, unpad_from_validity
+from .unpad import RANGES_ATTR, UNPAD_ATTR, marker_info, unpad_from_validity
 
 
 def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -26,23 +30,59 @@ def jagged_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
 
     Model code that uses the mask itself (``model_reads_mask``) gets what eager would get instead, with
     the same unpadding data attached, so that the calls that do reach jagged attention still unpad."""
-    refuse_compressed_layers(kwargs.get("config"))
-    if kwargs.get("config") is not None and family_computes_attention(kwargs["config"]):
+    config = kwargs.get("config")
+    flags = _config_flags(config) if config is not None else _NO_CONFIG
+    if flags.own_attention:
         # only the family's own attention code reads it: eager's mask as eager gets it (overlays
         # included); a jagged attention call, should one come, refuses a mask without unpadding data
         return eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                           use_vmap, device, **kwargs)
     overlay = overlay_of(mask_function, use_vmap)
-    mask = _compact_attention_mask(overlay, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
-                                   device, **kwargs)
-    if not model_reads_mask(kwargs.get("config"), overlay, kwargs):
+    mask = _compact_attention_mask(overlay, flags, batch_size, q_length, kv_length, q_offset, kv_offset,
+                                   attention_mask, device, kwargs.get("dtype"))
+    if not model_reads_mask(overlay, kwargs, flags.reads_mask):
         return mask
     return with_eager_layout(mask, overlay, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                              attention_mask, use_vmap, device, **kwargs)
 
 
-def _compact_attention_mask(overlay: Overlay, batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
-                            attention_mask=None, device=None, **kwargs):
+@dataclass(frozen=True)
+class _ConfigFlags:
+    """What the hook reads from a model's config, read once per config object (a transformers
+    config's attribute reads cost microseconds each)."""
+
+    own_attention: bool = False  # the family computes attention in its own code (families.py)
+    reads_mask: bool = False  # model code reads the padding from the mask (NLLB-MoE's router, own attention)
+    # the modules may not declare the pattern their mask has: causal masks carry it (see _compact_attention_mask)
+    declares_pattern: bool = False
+
+
+_NO_CONFIG = _ConfigFlags()
+_flags_of: dict = {}  # id(config) -> (weak reference to it, _ConfigFlags)
+
+
+def _config_flags(config) -> _ConfigFlags:
+    hit = _flags_of.get(id(config))
+    if hit is not None and hit[0]() is config:
+        return hit[1]
+    refuse_compressed_layers(config)  # raises at every call, never cached
+    own = family_computes_attention(config)
+    flags = _ConfigFlags(
+        own_attention=own,
+        reads_mask=own or getattr(config, "router_ignore_padding_tokens", None) is False,
+        declares_pattern=bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False)
+                              or getattr(config, "use_bidirectional_attention", False)))
+    if len(_flags_of) >= 64:
+        _flags_of.clear()
+    try:
+        _flags_of[id(config)] = (weakref.ref(config), flags)
+    except TypeError:  # not weakly referenceable: read again next time
+        pass
+    return flags
+
+
+def _compact_attention_mask(overlay: Overlay, flags: _ConfigFlags, batch_size, q_length, kv_length, q_offset=0,
+                            kv_offset=0, attention_mask=None, device=None, dtype=None):
     """transformers' mask hook for the "jagged" attention: padding information, without a Q x K mask.
 
     Called by ``create_causal_mask`` / ``create_sliding_window_causal_mask`` once per forward with
@@ -68,7 +108,6 @@ def _compact_attention_mask(overlay: Overlay, batch_size, q_length, kv_length, q
             "block_sequence_ids: bidirectional blocks (token_type_ids) in packed sequences: transformers numbers "
             "them across the packed row, which jagged attention cannot express -- pad the batch instead"
         )
-    config = kwargs.get("config")
     Q, K = int(q_length), int(kv_length)
     causal, keys_only = overlay.causal, overlay.keys_only
     chunk = overlay.chunk
@@ -86,14 +125,12 @@ def _compact_attention_mask(overlay: Overlay, batch_size, q_length, kv_length, q
     # Families whose own code adds the mask to its scores get eager's mask instead: model_reads_mask).
     # So do the causal masks of configs whose modules say is_causal=False (use_bidirectional_attention:
     # PaliGemma's Gemma sets it, its eager mask is causal nonetheless), and masks with overlays
-    declared = getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False) \
-        or getattr(config, "use_bidirectional_attention", False)
-    carry = (causal is True and bool(declared)) or overlay.window is not None or chunk is not None
+    carry = (causal is True and flags.declares_pattern) or overlay.window is not None or chunk is not None
 
     def no_padding(prefix_lens=None):
         if not carry and prefix_lens is None:
             return None
-        return _no_padding_marker(batch_size, Q, K, device, kwargs.get("dtype"), prefix_lens=prefix_lens, **pattern)
+        return _no_padding_marker(batch_size, Q, K, device, dtype, prefix_lens=prefix_lens, **pattern)
 
     if attention_mask is None and chunk is None and overlay.blocks is None \
             and (keys_only or (isinstance(q_offset, int) and q_offset + Q == kv_offset + K)):
@@ -118,25 +155,38 @@ def _compact_attention_mask(overlay: Overlay, batch_size, q_length, kv_length, q
         valid = attention_mask.to(torch.bool)
         if valid.shape[1] < total:  # static cache: slots past the mask are not written yet
             valid = torch.nn.functional.pad(valid, (0, total - valid.shape[1]), value=False)
-    key_valid = valid[:, kv_offset:total]
-    if keys_only:
-        # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
-        # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
-        # every query row is computed (eager computes padded encoder rows too)
-        query_valid = torch.ones(batch_size, Q, dtype=torch.bool, device=valid.device)
+    checks, mask = [], None
+    if keys_only or chunk is not None or overlay.blocks is not None:
+        key_valid = valid[:, kv_offset:total]
+        if keys_only:
+            # bidirectional (encoder self-attention, or cross-attention: queries are decoder tokens that
+            # the encoder's 2-D mask says nothing about): the mask masks keys only, as in eager, and
+            # every query row is computed (eager computes padded encoder rows too)
+            query_valid = torch.ones(batch_size, Q, dtype=torch.bool, device=valid.device)
+        else:
+            q_positions = torch.arange(Q, device=valid.device) + q_offset
+            query_valid = valid.index_select(1, q_positions)
+        if chunk is not None:
+            key_valid, inexact = chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
+            checks.append(inexact)
+        if overlay.blocks is not None:
+            block_prefix, not_prefix, longest = block_prefix_lens(key_valid, overlay.blocks, kv_offset, K)
+            checks += [not_prefix, longest]
+        info = unpad_from_validity(query_valid, key_valid, checks)
     else:
-        q_positions = torch.arange(Q, device=valid.device) + q_offset
-        query_valid = valid.index_select(1, q_positions)
-    checks = []
-    if overlay.sliding is not None and overlay.blocks is None:
-        key_valid = window_keys(query_valid, key_valid, q_offset, kv_offset, overlay.sliding)
-    if chunk is not None:
-        key_valid, inexact = chunk_keys(query_valid, key_valid, q_offset, kv_offset, *chunk)
-        checks.append(inexact)
-    if overlay.blocks is not None:
-        block_prefix, not_prefix, longest = block_prefix_lens(key_valid, overlay.blocks, kv_offset, K)
-        checks += [not_prefix, longest]
-    info = unpad_from_validity(query_valid, key_valid, checks)
+        # the common case (causal, maybe a sliding window): one host read of the padding; the queries',
+        # keys' and window's arithmetic in numpy, the compact mask one tensor made from it
+        host = valid.cpu().numpy()
+        q0, k0 = int(q_offset), int(kv_offset)
+        query_host, key_host = host[:, q0:q0 + Q], host[:, k0:total]
+        if overlay.sliding is not None:
+            key_host = window_keys(query_host, key_host, q0, k0, overlay.sliding)
+        flat = torch.from_numpy(np.concatenate([query_host, key_host], axis=1))
+        if flat.device != valid.device:
+            flat = flat.to(valid.device)
+        mask = flat.view(batch_size, 1, 1, Q + K)
+        query_valid, key_valid = flat[:, :Q], flat[:, Q:]
+        info = unpad_from_validity(query_valid, key_valid, host=(query_host, key_host))
     read = list(info.checks)
     if chunk is not None and read.pop(0):
         raise ValueError(
@@ -175,14 +225,16 @@ def _compact_attention_mask(overlay: Overlay, batch_size, q_length, kv_length, q
         # keys only: an additive (B, 1, 1, K) mask, 0 for real keys and the dtype's min for padding, which
         # model code that reads the mask itself can use as eager's (bigbird_pegasus' encoder adds it to its
         # scores, NLLB-MoE's router reads its last row); the unpadding data rides along as for every mask
-        dtype = kwargs.get("dtype")
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
         mask = torch.zeros(batch_size, 1, 1, K, dtype=dtype, device=valid.device)
         mask.masked_fill_(~key_valid.view(batch_size, 1, 1, K), torch.finfo(dtype).min)
         setattr(mask, UNPAD_ATTR, info)
         return mask
-    mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
+    if mask is None:
+        mask = torch.cat([query_valid, key_valid], dim=1).view(batch_size, 1, 1, Q + K)
     setattr(mask, UNPAD_ATTR, info)
+    if info.cache_leftpad is not None:
+        setattr(mask, RANGES_ATTR, (info.cu_seqlens_full, info.seqused_k, info.cache_leftpad))
     return mask
 
 

@@ -17,6 +17,7 @@ its 0-d flags are read on the host with the lengths (``unpad.unpad_from_validity
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -43,15 +44,14 @@ def chunk_keys(query_valid, key_valid, q_offset, kv_offset, chunk_size, left_pad
     return keep, inexact
 
 
-def window_keys(query_valid, key_valid, q_offset, kv_offset, window):
+def window_keys(query_valid, key_valid, q_offset: int, kv_offset: int, window: int):
     """Drop the keys that no query of the row sees through a causal sliding window (eager: kv > q - w,
-    absolute positions): those before the row's first query minus w - 1. Exact always; padding between
-    real tokens that lies before every query's window (a right-padded prompt continued by generate)
-    then no longer counts in the distances; with one query per row (decoding) the keys kept are exactly
-    its window, padding inside it or not, and the hook drops the window."""
-    K = key_valid.shape[1]
-    first_q = query_valid.to(torch.int8).argmax(1, keepdim=True) + q_offset
-    key_pos = torch.arange(K, device=key_valid.device) + kv_offset
+    absolute positions): those before the row's first query minus w - 1 (host arrays, numpy). Exact
+    always; padding between real tokens that lies before every query's window (a right-padded prompt
+    continued by generate) then no longer counts in the distances; with one query per row (decoding)
+    the keys kept are exactly its window, padding inside it or not, and the hook drops the window."""
+    first_q = query_valid.argmax(1)[:, None] + q_offset
+    key_pos = np.arange(key_valid.shape[1]) + kv_offset
     return key_valid & (key_pos > first_q - int(window))
 
 

@@ -4,6 +4,7 @@ recomputes or re-reads the padding."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,9 @@ import torch
 
 UNPAD_ATTR = "_jagged_sdpa_unpad"
 EAGER_VERSION_ATTR = "_jagged_sdpa_version"  # eager-layout masks: their version when handed to the model
+# (cu_seqlens_full, seqused_k, cache_leftpad) on a compact mask whose rows' keys are one run of slots: what a
+# layer traced by torch.compile reads (attention._traced_in_place), one set of tensors for every layer
+RANGES_ATTR = "_jagged_sdpa_ranges"
 
 
 @dataclass
@@ -19,8 +23,8 @@ class Unpad:
 
     query_valid: torch.Tensor  # bool (B, Q): which query rows are real
     key_valid: torch.Tensor  # bool (B, K)
-    cu_seqlens_q: torch.Tensor  # int32 (B+1,)
-    cu_seqlens_k: torch.Tensor
+    lens_q: np.ndarray  # int32 (B,): real queries per row, on the host
+    lens_k: np.ndarray  # int32 (B,): valid keys per row
     max_seqlen_q: int
     max_seqlen_k: int
     holes: bool  # some row's valid keys are not contiguous (padding between real tokens)
@@ -50,34 +54,54 @@ class Unpad:
     # packed path gives it, so the cache can be read in place for all B * Q rows too.
     queries_left_padded: bool = False
 
+    def plan(self, key: tuple, make):
+        """The plan of this batch for the options ``key``: made by ``make()`` at the first layer that
+        asks, run by every layer with the same options (``jagged_sdpa.plan``, docs/api.md section 10)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        found = plans.get(key)
+        if found is None:
+            found = plans[key] = make()
+        return found
+
     def queries_as_keys(self) -> "Unpad":
         """The same batch with the valid keys as the only queries (self-attention): what a
         bidirectional sliding window needs, since varlen aligns query i with key i + Lk - Lq and
         every query row of a bidirectional mask is otherwise kept. Computed once per mask."""
         view = self.__dict__.get("_as_keys")
         if view is None:
-            view = Unpad(self.key_valid, self.key_valid, self.cu_seqlens_k, self.cu_seqlens_k, self.max_seqlen_k,
+            view = Unpad(self.key_valid, self.key_valid, self.lens_k, self.lens_k, self.max_seqlen_k,
                          self.max_seqlen_k, self.holes, self.no_padding, causal=self.causal,
                          keys_only=self.keys_only)
             self.__dict__["_as_keys"] = view
         return view
 
-    # Where the real rows are, for the packed path (gathers straight from (B, H, S, D) and the
-    # output's scatter): computed on first use, since reading the cache in place needs none of it.
-    def _indices(self, valid: torch.Tensor, name: str) -> torch.Tensor:
+    # The packed path's metadata (gathers straight from (B, H, S, D) and the output's scatter):
+    # computed on first use, since reading the cache in place needs none of it.
+    def _cached(self, name: str, make):
         got = self.__dict__.get(name)
         if got is None:
-            got = self.__dict__[name] = valid.flatten().nonzero().flatten()
+            got = self.__dict__[name] = make()
         return got
+
+    @property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        """int32 (B + 1,)"""
+        return self._cached("_cu_q", lambda: _cumulative(self.lens_q, self.key_valid.device))
+
+    @property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        if self.lens_k is self.lens_q:
+            return self.cu_seqlens_q
+        return self._cached("_cu_k", lambda: _cumulative(self.lens_k, self.key_valid.device))
 
     @property
     def indices_q(self) -> torch.Tensor:
         """int64 (total_q,): rows of the flattened (B*Q) queries that are real."""
-        return self._indices(self.query_valid, "_indices_q")
+        return self._cached("_indices_q", lambda: self.query_valid.flatten().nonzero().flatten())
 
     @property
     def indices_k(self) -> torch.Tensor:
-        return self._indices(self.key_valid, "_indices_k")
+        return self._cached("_indices_k", lambda: self.key_valid.flatten().nonzero().flatten())
 
     @property
     def rows_q(self) -> tuple:
@@ -91,48 +115,64 @@ class Unpad:
         return self.indices_k // n, self.indices_k % n
 
 
-def unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, checks=()) -> Unpad:
+def _int32(a, device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _cumulative(lens: np.ndarray, device) -> torch.Tensor:
+    return _int32(np.concatenate([[0], np.cumsum(lens)]), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_starts(B: int, Q: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens of B rows of Q queries each: the same tensor for every forward of that shape."""
+    return torch.arange(0, (B + 1) * Q, max(Q, 1), dtype=torch.int32, device=device)[:B + 1]
+
+
+def unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, checks=(), host=None) -> Unpad:
     """Unpadding data from bool (B, Q) / (B, K) validity (and the 0-d int ``checks`` the mask's
-    overlays need, returned in ``checks``), with one host read of the validity masks: the lengths'
-    arithmetic runs in numpy on B x (Q + K) bytes, where the same rules as torch ops cost ~40 small
-    kernel calls per forward (0.3 ms of a decode step), and the few int32 vectors the attention
-    calls need go back to the masks' device."""
+    overlays need, returned in ``checks``), with one host read of the validity masks (``host``: the
+    caller's numpy copies of both, already read): the lengths' arithmetic runs in numpy on B x (Q + K)
+    bytes, where the same rules as torch ops cost ~40 small kernel calls per forward, and only the
+    int32 vectors the in-place call needs go back to the masks' device (the packed path's on demand)."""
     device = key_valid.device
-    qv, kv = query_valid.cpu().numpy(), key_valid.cpu().numpy()
+    qv, kv = host if host is not None else (query_valid.cpu().numpy(), key_valid.cpu().numpy())
     checked = tuple(int(c) for c in checks)
     B, Q = qv.shape
     K = kv.shape[1]
     lens_q, lens_k = qv.sum(1, dtype=np.int32), kv.sum(1, dtype=np.int32)
+    queries_full = bool((lens_q == Q).all())
     first = kv.argmax(1).astype(np.int32) if K else np.zeros(B, np.int32)
     last = K - 1 - kv[:, ::-1].argmax(1) if K else first
     holes = bool(((lens_k > 0) & (last - first + 1 != lens_k)).any())
-    first_q = qv.argmax(1) if Q else np.zeros(B, np.int64)
-    left_padded = bool((((lens_q == 0) | (first_q == Q - lens_q)) & ((lens_q == Q) | (lens_k == lens_q))).all())
-    to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-    cumulative = lambda lens: to_device(np.concatenate([[0], np.cumsum(lens)]))
-    queries_full = bool((lens_q == Q).all())
+    if queries_full:
+        left_padded = True
+    else:
+        first_q = qv.argmax(1) if Q else np.zeros(B, np.int64)
+        left_padded = bool((((lens_q == 0) | (first_q == Q - lens_q)) & ((lens_q == Q) | (lens_k == lens_q))).all())
     return Unpad(
         query_valid=query_valid,
         key_valid=key_valid,
-        cu_seqlens_q=cumulative(lens_q),
-        cu_seqlens_k=cumulative(lens_k),
+        lens_q=lens_q,
+        lens_k=lens_k,
         max_seqlen_q=int(lens_q.max(initial=0)),
         max_seqlen_k=int(lens_k.max(initial=0)),
         holes=holes,
         no_padding=queries_full and bool((lens_k == K).all()),
         checks=checked,
-        seqused_k=to_device(lens_k),
-        cache_leftpad=to_device(first) if K > 0 and not holes else None,
+        seqused_k=_int32(lens_k, device),
+        cache_leftpad=_int32(first, device) if K > 0 and not holes else None,
         queries_full=queries_full and not holes,
         queries_left_padded=left_padded and not holes,
-        cu_seqlens_full=to_device(np.arange(B + 1) * Q),
+        cu_seqlens_full=_row_starts(B, Q, device),
     )
 
 
 def marker_info(Q: int, K: int, **pattern) -> Unpad:
     """Unpadding data of a mask without padding: only the pattern (``Unpad``'s pattern fields)."""
-    empty = torch.empty(0, dtype=torch.int64)
-    return Unpad(torch.ones(1, Q, dtype=torch.bool), torch.ones(1, K, dtype=torch.bool), empty, empty, Q, K, False,
+    lens = np.zeros(0, np.int32)
+    return Unpad(torch.ones(1, Q, dtype=torch.bool), torch.ones(1, K, dtype=torch.bool), lens, lens, Q, K, False,
                  True, padded=False, **pattern)
 
 

@@ -1,6 +1,8 @@
 """The attention function (``AttentionInterface``): unpads queries/keys/values with the mask's
-unpadding data, runs ``jagged_sdpa.varlen_attention`` and re-pads the output (padded query rows are
-zeros); where every row's keys are one run of cache slots it reads the cache in place instead.
+unpadding data, runs varlen attention and re-pads the output (padded query rows are zeros); where
+every row's keys are one run of cache slots it reads the cache in place instead. A padded batch's
+layers run one ``jagged_sdpa.plan`` per options, kept on the mask's unpadding data: the batch is
+validated once per forward, and each layer does only per-layer work.
 Causal is bottom-right (new queries see every cached key); GQA without repeating K/V; sliding window,
 softcap, scaling, dropout and sinks come from the module, the mask's overlays from its unpadding
 data. Without padding it reads packed sequences from ``cu_seq_lens_q/k`` + ``max_length_q/k``
@@ -35,7 +37,7 @@ def as_int(x, name):
 
 def jagged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                              sliding_window=None, softcap=None, is_causal=None, **kwargs):
-    """transformers attention function backed by ``jagged_sdpa.varlen_attention``.
+    """transformers attention function backed by jagged_sdpa's varlen attention.
 
     Same contract as transformers' ``sdpa_attention_forward``: query ``(B, Hq, Q, D)``, key/value
     ``(B, Hkv, K, D)`` (cache included) -> ``(output (B, Q, Hq, Dv), None)``. Attention weights are

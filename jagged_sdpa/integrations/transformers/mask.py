@@ -94,8 +94,8 @@ def _compact_attention_mask(overlay: Overlay, flags: _ConfigFlags, batch_size, q
     no 2-D mask (``generate`` drops an all-ones mask for non-flash names) the valid keys are
     rebuilt from ``q_offset + q_length``. The causal/sliding pattern itself is applied by the
     attention function (bottom-right causal, window from the module), so ``mask_function`` is not
-    evaluated: it is read (``read_mask_function``) for its pattern and the overlays of the module
-    docstring, which travel with the mask (a mask without padding is returned to carry them);
+    evaluated: it is read (``read_mask_function``) for its pattern and the overlays ``mask_functions``
+    lists, which travel with the mask (a mask without padding is returned to carry them);
     other overlays (``or_mask_function``/``and_mask_function``) are refused.
 
     ``create_bidirectional_mask`` (encoder self-attention; cross-attention, where the 2-D mask is the

@@ -285,9 +285,9 @@ def check_eager_mask_without_mask_function():
         from transformers import masking_utils
     except Exception as error:  # transformers is optional
         raise Skip(f"transformers not importable: {error}")
-    from jagged_sdpa.integrations import transformers as jt
+    from jagged_sdpa.integrations.transformers import eager as jt_eager
 
-    mask = jt._eager_mask(2, 3, 5, 2, 0, None, None, False, None)
+    mask = jt_eager.eager_mask(2, 3, 5, 2, 0, None, None, False, None)
     expected = masking_utils.eager_mask(batch_size=2, q_length=3, kv_length=5, q_offset=2, kv_offset=0,
                                         mask_function=masking_utils.causal_mask_function, attention_mask=None,
                                         use_vmap=False, device="cpu")

@@ -318,18 +318,20 @@ def run_family(family: str) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    from transformers.modeling_utils import AttentionInterface
+
     from jagged_sdpa.integrations import transformers as jt
 
-    name = jt.register()
-    if not getattr(jt.varlen_attention, "_sweep_counted", False):  # count the jagged attention calls (this process)
-        original = jt.varlen_attention
+    name = "jagged_sweep"  # the jagged attention, counting its calls in this process
+    if not getattr(AttentionInterface._global_mapping.get(name), "_sweep_counted", False):
+        jt.register(name)
 
         def counted(*args, **kwargs):
             _CALLS[0] += 1
-            return original(*args, **kwargs)
+            return jt.jagged_attention_forward(*args, **kwargs)
 
         counted._sweep_counted = True
-        jt.varlen_attention = counted
+        AttentionInterface.register(name, counted)
     record = {"family": family, "status": None, "detail": "", "classes": []}
     try:
         classes = model_classes(family)

@@ -95,7 +95,7 @@ def test_every_public_name_is_documented():
 
 def test_the_distributed_and_transformers_names_are_documented():
     names = list(jagged_sdpa.distributed.__all__)
-    names += _module_all(ROOT / "jagged_sdpa" / "integrations" / "transformers.py")
+    names += _module_all(ROOT / "jagged_sdpa" / "integrations" / "transformers" / "__init__.py")
     assert not _missing(names), "public names missing from docs/api.md"
 
 

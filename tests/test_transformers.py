@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import eager as jt_eager, unpad as jt_unpad  # noqa: E402
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -452,7 +453,7 @@ def test_gpt_oss_sinks_equal_eager():
 
 def test_eager_mask_without_a_mask_function_is_causal():
     """The mask hook's fallback when transformers passes no mask_function: its own causal mask."""
-    mask = jt._eager_mask(2, 3, 5, 2, 0, None, None, False, None)
+    mask = jt_eager.eager_mask(2, 3, 5, 2, 0, None, None, False, None)
     expected = masking_utils.eager_mask(batch_size=2, q_length=3, kv_length=5, q_offset=2, kv_offset=0,
                                         mask_function=masking_utils.causal_mask_function, attention_mask=None,
                                         use_vmap=False, device="cpu")
@@ -483,7 +484,7 @@ _IN_PLACE_CHECK = {"on": False, "calls": []}
 def _checked_attention(module, query, key, value, attention_mask, **kwargs):
     """The jagged attention, with every decode step run under ``_NoCopyOfTheCache``."""
     if query.shape[2] == 1 and _IN_PLACE_CHECK["on"]:
-        info = getattr(attention_mask, jt._UNPAD_ATTR, None) if attention_mask is not None else None
+        info = getattr(attention_mask, jt_unpad.UNPAD_ATTR, None) if attention_mask is not None else None
         used = int(info.seqused_k.sum()) if info is not None and info.seqused_k is not None else \
             key.shape[0] * key.shape[2]
         _IN_PLACE_CHECK["calls"].append(used)

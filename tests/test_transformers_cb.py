@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import continuous_batching as jt_cb  # noqa: E402
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 
@@ -66,9 +67,9 @@ def _generate_batch(model, prompts, max_batch_tokens=32, page_size=16, **cb):
 def _compare(model, prompts, expect_modes, **kw):
     ref_tokens, ref_lp = _generate_batch(model, prompts, **kw)
     jt.enable_continuous_batching()
-    before = dict(jt._cb_stats)
+    before = dict(jt_cb.stats)
     tokens, lp = _generate_batch(model, prompts, **kw)
-    used = {m: jt._cb_stats[m] - before[m] for m in before}
+    used = {m: jt_cb.stats[m] - before[m] for m in before}
     jt.disable_continuous_batching()
     assert tokens == ref_tokens
     for a, b in zip(lp, ref_lp):
@@ -129,10 +130,10 @@ def test_other_calls_run_transformers_sdpa(llama):
     with torch.no_grad():
         ref = llama(ids, attention_mask=mask).logits
         jt.enable_continuous_batching()
-        before = dict(jt._cb_stats)
+        before = dict(jt_cb.stats)
         got = llama(ids, attention_mask=mask).logits
     assert torch.equal(got, ref)
-    assert jt._cb_stats == before
+    assert jt_cb.stats == before
 
 
 def test_enable_disable_idempotent_and_scoped():
@@ -163,12 +164,12 @@ def test_block_table_from_read_indices():
     # two requests: 6 keys in blocks (pages) 7, 2; 3 keys in page 5
     reads = torch.tensor([28, 29, 30, 31, 8, 9, 20, 21, 22])
     cu_k = torch.tensor([0, 6, 9], dtype=torch.int32)
-    table = jt._cb_block_table(reads, cu_k, cu_k.diff(), 6, page, 9)
+    table = jt_cb.block_table_of(reads, cu_k, cu_k.diff(), 6, page, 9)
     assert table.dtype == torch.int32 and table.tolist() == [[7, 2], [5, 0]]
     shuffled = torch.tensor([28, 29, 31, 30, 8, 9, 20, 21, 22])  # not in position order within a page
-    assert jt._cb_block_table(shuffled, cu_k, cu_k.diff(), 6, page, 9) is None
+    assert jt_cb.block_table_of(shuffled, cu_k, cu_k.diff(), 6, page, 9) is None
     unaligned = torch.tensor([29, 30, 31, 32, 8, 9, 20, 21, 22])  # a page that starts mid-page
-    assert jt._cb_block_table(unaligned, cu_k, cu_k.diff(), 6, page, 9) is None
+    assert jt_cb.block_table_of(unaligned, cu_k, cu_k.diff(), 6, page, 9) is None
 
 
 def test_example_runs(monkeypatch, capsys):

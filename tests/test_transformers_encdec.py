@@ -29,6 +29,7 @@ from transformers.models.auto import modeling_auto  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import unpad as jt_unpad  # noqa: E402
 from cases import padded_tokens  # noqa: E402
 
 V = 96
@@ -225,7 +226,7 @@ def test_mask_hook_cross_attention_geometry():
         assert m.shape == (2, 1, 1, 4) and m.dtype == torch.float32
         assert (m.view(2, 4) == 0).int().tolist() == enc.tolist()
         assert (m.view(2, 4)[enc == 0] == torch.finfo(torch.float32).min).all()
-        info = jt._unpad_info(m, 2, Q, 4)
+        info = jt_unpad.unpad_info(m, 2, Q, 4)
         assert info.causal is False and info.cu_seqlens_q.tolist() == [0, Q, 2 * Q]
         assert info.cu_seqlens_k.tolist() == [0, 3, 6]
     # no encoder padding: nothing to carry for a decoder-only config...

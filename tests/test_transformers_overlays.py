@@ -35,6 +35,7 @@ from transformers import (  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import unpad as jt_unpad  # noqa: E402
 
 V, IMG, N_IMG = 128, 127, 4  # vocabulary, image placeholder id, image tokens per image (8x8 pixels, 4x4 patches)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -398,11 +399,11 @@ def test_the_hook_reads_overlays_and_refuses_others():
     assert jt.jagged_attention_mask(2, 5, 5, mask_function=chunked) is None
     m = jt.jagged_attention_mask(2, 5, 5, mask_function=masking_utils.chunked_causal_mask_function(
         4, torch.zeros(2, dtype=torch.long)))
-    assert getattr(m, jt._UNPAD_ATTR).chunk == 4
+    assert getattr(m, jt_unpad.UNPAD_ATTR).chunk == 4
     blocks = torch.tensor([[0, 0, 0, -1, -1], [-1, -1, -1, -1, -1]])
     m = jt.jagged_attention_mask(2, 5, 5, mask_function=masking_utils.or_masks(
         causal, masking_utils.blockwise_overlay(blocks)))
-    assert getattr(m, jt._UNPAD_ATTR).prefix_lens.tolist() == [3, 0]
+    assert getattr(m, jt_unpad.UNPAD_ATTR).prefix_lens.tolist() == [3, 0]
     # arbitrary overlays are refused by name, whatever they compute; so are transformers' own overlays
     # passed as and_mask_function, whose window or sequence ids the module does not know (t5gemma2, esmc)
     ids = torch.tensor([[0, 0, 1, 1, 1]] * 2)

@@ -194,6 +194,35 @@ def check_paged_split_k_past_2_32():
     return f"keys {lens_k}, max_seqlen_k 2**32+3"
 
 
+def check_fp8_cache_decode():
+    """An fp8 paged cache (docs/api.md section 13) read by TRITON in bf16 and fp16, both formats,
+    per-kv-head scales, long enough on CUDA for split-K: against float64 on the dequantized keys."""
+    lens_k = [1700, 33, 2500] if CUDA else [70, 33]
+    hq, hkv, d = 8, 2, 64 if CUDA else 16
+    kc, vc, table, kp, vp = _paged(lens_k, hkv, d, 16)
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    cu_q = cu_of([1] * len(lens_k))
+    k_scale = torch.tensor([0.02, 0.05], device=DEVICE)
+    v_scale = torch.tensor(0.03, device=DEVICE)
+    done = []
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        largest = torch.finfo(fp8).max
+        quant = lambda x, s: (x.float() / s.reshape(-1, 1)).clamp(-largest, largest).to(fp8)
+        k8, v8 = quant(kc, k_scale), quant(vc, v_scale)
+        kd = quant(kp.to(DEVICE), k_scale).float() * k_scale.reshape(-1, 1)
+        vd = quant(vp.to(DEVICE), v_scale).float() * v_scale.reshape(-1, 1)
+        for dtype in ((torch.bfloat16, torch.float16) if CUDA else (torch.float32,)):
+            q = torch.randn(len(lens_k), hq, d, device=DEVICE).to(dtype)
+            ref_out, ref_lse, _ = reference(q, kd, vd, cu_q, cu_of(lens_k), causal=True, alignment="bottom_right")
+            out, lse = jagged_sdpa.varlen_attention(q, k8, v8, cu_q, None, 1, max(lens_k), block_table=table,
+                                                    seqused_k=used, k_scale=k_scale, v_scale=v_scale, causal=True,
+                                                    return_lse=True, backend="triton")
+            compare(out, ref_out, cu_q, f"out {fp8} q {dtype}")
+            assert_close_lse(lse.cpu(), ref_lse, name=f"lse {fp8} q {dtype}")
+            done.append(f"{str(fp8)[6:]}/{str(dtype)[6:]}")
+    return "keys " + str(lens_k) + ": " + ", ".join(done)
+
+
 def check_strided_table_and_slopes():
     lens_q, lens_k, hq, d = [3, 1], [40, 21], 2, 16
     kc, vc, table, kp, vp = _paged(lens_k, 1, d, 16)
@@ -436,6 +465,7 @@ CHECKS = [
     ("triton-interior-tiles", check_triton_interior_tiles),
     ("paged-split-k-2**32", check_paged_split_k_past_2_32),
     ("strided-table-slopes", check_strided_table_and_slopes),
+    ("fp8-cache-decode", check_fp8_cache_decode),
     ("no-autotuner-graph-capture", check_no_autotuner_and_graph_capture),
     ("fp32-d256-decode-autotune", check_fp32_d256_decode_autotune),
     ("one-hot-gradients", check_one_hot_gradients),

@@ -63,8 +63,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import jagged_sdpa  # noqa: E402
-from reference import attention_reference  # noqa: E402
-from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
+from support.reference import attention_reference  # noqa: E402
+from support.tolerances import assert_close_lse, assert_close_packed  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not ARGS.cpu
 DEVICE = "cuda" if CUDA else "cpu"
@@ -172,7 +172,7 @@ def _paged(lens_k, hkv, d, block_size, dtype=torch.float32):
 def check_paged_split_k_past_2_32():
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.backends.triton.plans import merge_splits
-    from calls import prepare_varlen
+    from support.calls import prepare_varlen
 
     lens_k = [300, 4000] if CUDA else [300]
     lens_q = [1] * len(lens_k)

@@ -3,7 +3,7 @@ import sys
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from triton_interpreter import interpreter_env  # noqa: E402
+from support.triton_interpreter import interpreter_env  # noqa: E402
 
 
 def _import_triton_interpreted() -> None:

@@ -25,7 +25,7 @@ from support.tolerances import assert_close_lse, assert_close_packed
 
 import jagged_sdpa
 from jagged_sdpa import ops
-from support.calls import prepare_varlen as _prepare_varlen
+from support.described_call import prepare_varlen
 
 
 @pytest.fixture(autouse=True)
@@ -232,9 +232,8 @@ def test_inductor_end_to_end():
 
 def _op_args(options, backend, grad=True):
     args, kw = _call(options, grad=grad)
-    call, _, _ = _prepare_varlen(*args, kw.pop("dropout_p", 0.0), kw.get("softmax_scale"), kw.get("causal", False),
-                                 kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0), kw.get("alibi_slopes"),
-                                 kw.get("return_lse", False), None, None, None)
+    keep = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "return_lse")
+    call, _, _ = prepare_varlen(*args, **{name: kw[name] for name in keep if name in kw})
     return (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
             call.alibi_slopes, call.dropout_key, backend, ops.options_of(call.spec), call.spec.max_seqlen_q,
             call.spec.max_seqlen_k)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import calls
+from support.described_call import prepare_varlen
 
 import jagged_sdpa
 from jagged_sdpa import Backend, api, layout
@@ -58,13 +58,12 @@ def paged(device, lengths_q=(3, 1, 0, 1), used=(7, 4, 2, 0), block_size=4, width
 
 
 def prepare_paged(q, k_cache, v_cache, cu_q, table, seqused, max_q, max_k):
-    return calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
-                               None, False, table, seqused, None)
+    return prepare_varlen(q, k_cache, v_cache, cu_q, None, max_q, max_k, causal=True, block_table=table,
+                          seqused_k=seqused)
 
 
 def prepare_packed(q, k, v, cu_q, cu_k, max_q, max_k):
-    return calls.prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0, None, False,
-                               None, None, None)
+    return prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
 
 
 def test_policy_reads_on_cpu_and_only_without_max_lengths_elsewhere():

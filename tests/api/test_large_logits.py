@@ -1,4 +1,4 @@
-"""Large logits (issue 21, item 1): the repros, against float64, held to the project's rule.
+"""Large logits (scores of 1e2-1e4, one-key rows, large softcaps): the cases that once failed, against float64, held to the project's rule.
 
 The rule (flash-attn's, ``tolerances.assert_close_packed`` with ``lowp_ref``): the error against
 float64 is at most 2x (out, lse) or 3x (gradients) MATH's own error in the same dtype, plus the

@@ -8,15 +8,9 @@ import torch
 import jagged_sdpa
 from jagged_sdpa import layout
 from jagged_sdpa.checks.device import DeviceChecks
-from support.calls import prepare_sdpa as _prepare_sdpa, prepare_varlen as _prepare_varlen
+from support.described_call import prepare_sdpa, prepare_varlen
 from support.cases import cu_of, njt, packed
 
-
-def prepare_sdpa(q, k, v, **kw):
-    args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, backend=None)
-    args.update(kw)
-    return _prepare_sdpa(q, k, v, **args)
 
 
 def test_contiguous_njt_is_packed_as_a_view():
@@ -86,7 +80,7 @@ def test_no_host_read_on_accelerator_with_max_lengths(monkeypatch):
     monkeypatch.setattr(layout, "read_host", lambda *t: (_ for _ in ()).throw(AssertionError("host read")))
     q = torch.empty(7, 2, 8, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
-    call, _, _ = _prepare_varlen(q, q, q, cu, cu, 4, 4, 0.0, None, True, (-1, -1), 0.0, None, False, None, None, None)
+    call, _, _ = prepare_varlen(q, q, q, cu, cu, 4, 4, causal=True)
     assert call.spec.max_seqlen_q == 4 and not call.spec.lengths_known and call.spec.has_empty_k
 
 
@@ -152,5 +146,5 @@ def test_no_read_path_with_seqused_k_builds_a_spec():
     q = torch.empty(7, 2, 8, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     used = torch.empty(2, dtype=torch.int32, device="meta")
-    call, _, _ = _prepare_varlen(q, q, q, cu, cu, 4, 3, 0.0, None, True, (-1, -1), 0.0, None, False, None, used, None)
+    call, _, _ = prepare_varlen(q, q, q, cu, cu, 4, 3, causal=True, seqused_k=used)
     assert call.spec.max_seqlen_k == 3 and call.spec.seqused_k

@@ -324,7 +324,7 @@ def test_plan_run_compiles_without_graph_breaks():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 21 item 0: a call that skips the host read is checked all the same, on every path
+# a call that skips the host read is checked all the same, on every path
 
 
 class _Passthrough(TorchDispatchMode):
@@ -377,7 +377,7 @@ def test_bad_offsets_without_a_host_read_fail_loudly(no_host_read, path, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 21 item 5: torch.autocast casts the inputs as PyTorch's SDPA does
+# torch.autocast casts the inputs as PyTorch's SDPA does
 
 
 def test_sdpa_follows_autocast_like_pytorch():
@@ -406,7 +406,7 @@ def test_varlen_and_plan_follow_autocast_with_mixed_inputs():
 
 
 def test_an_observed_call_keeps_no_reference_to_its_tensors():
-    """Issue 21 item 4: an operator call under a dispatch mode (or a profiler) leaves nothing of
+    """An operator call under a dispatch mode (or a profiler) leaves nothing of
     its q, k, v behind (there is no thread-local handover any more)."""
     import gc
     import weakref
@@ -422,7 +422,7 @@ def test_an_observed_call_keeps_no_reference_to_its_tensors():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 21 item 2: key and value built separately (their own offsets) compile without a break
+# key and value built separately (their own offsets) compile without a break
 
 
 def _nj(lengths, seed):

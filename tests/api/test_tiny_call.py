@@ -1,4 +1,4 @@
-"""The per-call fast paths of issue 3's tiny call, each checked against the slow path it replaces.
+"""The per-call fast paths of a tiny call (a few short sequences, where host overhead dominates), each checked against the slow path it replaces.
 
 Cheap NJT size reads (``layout.tensor_size``), the direct NJT output constructor
 (``layout.packed_to_njt``): the fast path must give the same object or the same numbers as the

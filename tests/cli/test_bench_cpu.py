@@ -99,7 +99,7 @@ def test_tile_micro_benchmark_builds_and_measures(tmp_path):
 
 
 def test_kernel_path_names_what_the_kernel_runs_each_row_on():
-    """Issue 22: each row says which path ran it; bf16 tiles as the kernel itself reports them
+    """Each row says which path ran it; bf16 tiles as the kernel itself reports them
     (js_bf16_tiles), decode rows as direct rows (bf16 on vdpbf16ps wherever there are bf16 tiles),
     fp32 on FMAs of the build's vector width."""
     bench = _bench()
@@ -120,7 +120,7 @@ def test_kernel_path_names_what_the_kernel_runs_each_row_on():
 
 @pytest.mark.skipif(native.library() is None, reason="needs the compiled kernel")
 def test_options_rows_time_the_same_call_with_and_without_sinks_chunks_and_prefixes(capsys):
-    """Issue 20's rows on a small batch: plain, chunk 256 (cuts the 300-token sequence) and chunk
+    """The sinks/chunk/prefix rows on a small batch: plain, chunk 256 (cuts the 300-token sequence) and chunk
     longest - 1, all on the kernel; the visible pairs come from the position rules; the target
     line reads both ratios."""
     bench = _bench()
@@ -146,7 +146,7 @@ def test_options_rows_time_the_same_call_with_and_without_sinks_chunks_and_prefi
 
 
 def test_each_row_names_the_builds_instruction_set_and_tile():
-    """Issue 30: every row prints the build's instruction set and the tile its products run on
+    """Every row prints the build's instruction set and the tile its products run on
     (the kernel's own js_tile_shape), decode rows as direct rows."""
     bench = _bench()
     from workloads import W1, W4, W5

@@ -33,7 +33,7 @@ def test_explain_forced_backend_and_options(capsys):
 
 
 def test_explain_builds_the_spec_the_call_builds():
-    """Issue 21 item 3: the CLI's spec is the call's (one builder): self-attention knows Lq == Lk
+    """The CLI's spec is the call's (one builder): self-attention knows Lq == Lk
     (FLASH_VARLEN takes top-left causal then), and a window past every key is unbounded."""
     from jagged_sdpa.__main__ import build_parser, spec_from_args
 
@@ -86,9 +86,9 @@ def test_module_entry_point():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_bench_backward_runs_every_round(capsys, causal):
-    """Issue 33 item 1: ``bench --backward`` crashed at its second backward (torch cannot accumulate
-    into an NJT leaf's ``.grad``: ``aten::stride does not exist``) and the padded contender's
-    backward could not map its gradient through the transposed NJT. Warm-up plus two rounds run
+    """``bench --backward`` runs more than one backward: torch cannot accumulate into an NJT leaf's
+    ``.grad`` (``aten::stride does not exist``), and the padded contender's backward must map its
+    gradient through the transposed NJT. Warm-up plus two rounds run
     three backwards of every contender."""
     argv = ["bench", "--backward", "--lengths", "3,9,1", "--heads", "2", "--head-dim", "8", "--repeats", "2"]
     assert main(argv + (["--causal"] if causal else [])) == 0
@@ -114,7 +114,7 @@ def test_bench_backward_gradients_match_the_padded_reference():
 
 
 def test_bench_and_demo_refuse_a_device_torch_cannot_use():
-    """Issue 33 item 7: ``--device cuda`` on a CPU-only torch was a raw AssertionError."""
+    """``--device cuda`` on a CPU-only torch is a clear error, not a raw AssertionError."""
     import torch
 
     with pytest.raises(SystemExit, match="is not a torch device"):
@@ -127,7 +127,7 @@ def test_bench_and_demo_refuse_a_device_torch_cannot_use():
 
 
 def test_help_shows_defaults_and_causal_alignment(capsys):
-    """Issue 33 item 7: --heads/--head-dim show their defaults; explain's --causal says it is
+    """--heads/--head-dim show their defaults; explain's --causal says it is
     top-left (sdpa's) and how to describe varlen_attention's bottom-right causal."""
     from jagged_sdpa.__main__ import build_parser
 

@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as pasted (issue 33 item 2), so the README cannot drift.
+"""Every ```python block of README.md runs as pasted, so the README cannot drift.
 
 Each block is executed on its own, in a fresh namespace (nothing defined by an earlier block is
 visible), on the CPU, in this process. A block whose first line is

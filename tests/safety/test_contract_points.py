@@ -1,5 +1,4 @@
-"""Regression tests for contract points a fuzzing campaign found (issue 11, items 6, 7 and 9):
-each starts from its repro and checks the float64 reference or PyTorch's own SDPA."""
+"""Regression tests for contract points the differential fuzzer found (support/fuzz.py): each starts from its repro and checks the float64 reference or PyTorch's own SDPA."""
 
 from __future__ import annotations
 

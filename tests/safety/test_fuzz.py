@@ -1,5 +1,5 @@
 """The differential fuzzer (``tests/support/fuzz.py``) in CI: a fixed seed and call budget (400 calls, ~20 s of CPU here),
-and 60 calls of its large-logit mode (issue 21; ~10 s).
+and 60 calls of its large-logit mode (~10 s).
 
 Every failure prints a one-line repro (``PYTHONPATH=. python tests/support/fuzz.py --seed S --case I``).
 Long hunts: ``JAGGED_SDPA_FUZZ_CALLS=20000 pytest tests/safety/test_fuzz.py`` or the command line
@@ -43,7 +43,7 @@ def test_fixed_seed_run_has_no_new_failures(capsys):
 
 
 def test_large_logit_mode_has_no_new_failures(capsys):
-    """Issue 21's mode: every call with logits of 1e2-1e4, one-key rows, large softcaps."""
+    """The large-logit mode: every call with logits of 1e2-1e4, one-key rows, large softcaps."""
     stats = fuzz.fuzz(SEED + 1, LARGE_CALLS, known=KNOWN_OPEN, mode="large")
     with capsys.disabled():
         print("\n" + stats.summary())

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 
 _SEGV = (-signal.SIGSEGV, 128 + signal.SIGSEGV)
 
-# Where the native build is AVX-512, the AVX2 tiles (issue 30: other loops, other loads) are the
+# Where the native build is AVX-512, the AVX2 tiles (other loops, other loads) are the
 # x86-64-v3 build's: the workload runs on that build too. Where the native build is AVX2 already,
 # the test above ran them.
 _NATIVE_512 = native.library() is not None and "avx512f" in (native.build_target() or "")

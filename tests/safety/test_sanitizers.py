@@ -25,7 +25,7 @@ from support.guarded import read_past_the_keys, run_child
 from jagged_sdpa.backends.cpu import native
 
 SANITIZE = "address,undefined"
-# Where the native build is AVX-512, the AVX2 tiles (issue 30) are the x86-64-v3 build's: the
+# Where the native build is AVX-512, the AVX2 tiles (16 ymm registers) are the x86-64-v3 build's: the
 # workload runs sanitized on that build too. Where the native build is AVX2, it already ran them.
 _NATIVE_512 = native.library() is not None and "avx512f" in (native.build_target() or "")
 _RUNS_V3 = {"avx2", "fma", "f16c"} <= set(native._cpu_flags().split())

@@ -1,4 +1,4 @@
-"""Sweep over transformers' own model families: "jagged" against "eager" (issue 20, item 4).
+"""Sweep over transformers' own model families: "jagged" against "eager".
 
 Every model type of transformers' causal-LM and seq2seq-LM auto mappings is built tiny from its
 config class (sizes shrunk generically by attribute name: 2-4 layers, hidden 64, 4 heads, 2 kv

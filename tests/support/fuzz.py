@@ -41,7 +41,7 @@ Design
   goes on. ``classify`` matches a failure against ``KNOWN`` (open bugs, one entry
   per class; delete an entry once its fix lands).
 
-* Large logits (issue 21): ``mode="large"`` (``--mode large``) makes every case one with scores of
+* Large logits: ``mode="large"`` (``--mode large``) makes every case one with scores of
   magnitude 1e2-1e4, rows that see exactly one key, and a softcap as large as the logits; by
   default a share ``LARGE_SHARE`` of the ordinary cases is made so. Their gradients are held to
   ``grad_logit_bounds``, which vanishes where a row's softmax is one-hot (MATH is exact there, and
@@ -267,7 +267,7 @@ def _section11_options(case, rng, top):
 
 
 def _large_logits(case, rng):
-    """Issue 21's large-logit mode: scores of magnitude up to 1e4 (3e3 in float16, whose gradients
+    """The large-logit mode: scores of magnitude up to 1e4 (3e3 in float16, whose gradients
     would overflow), put either in softmax_scale or in q (``q_gain``, with scale 1 or the default);
     rows with exactly one visible key (one key per sequence, or a (0, 0) window); softcap with a
     large cap (~ the logits' size, so tanh neither saturates nor stays linear); float32, float16,
@@ -1386,9 +1386,8 @@ def _nan_equal(a, c):
 
 # ----------------------------------------------------------------------------------------------
 # known open bugs: one entry per class, (case, message) -> bool. Delete an entry once its fix
-# lands; tests/safety/test_fuzz.py toggles them one by one. The nine classes of issue 11 (and the eight
-# this fuzzer found beside them) are fixed and their entries deleted: they fail as new bugs again.
-# Issue 14 retired the torch-op engines, and with them torch_engines_backward_huge_logits.
+# lands; tests/safety/test_fuzz.py toggles them one by one. Every class found so far is fixed and
+# its entry deleted: it fails as a new bug again.
 
 
 KNOWN: dict = {}
@@ -1429,7 +1428,7 @@ class Stats:
             print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status} "
                   f"{int(case.get('scores') == 'large')} {int(_has_options(case))}", file=self.out, flush=True)
         keys = [case["backend"], f"{case['backend']}/{case['entry']}"]
-        if case.get("scores") == "large":   # issue 21's large-logit mode, counted apart too
+        if case.get("scores") == "large":   # the large-logit mode, counted apart too
             keys += ["large", f"large/{case['backend']}"]
         if _has_options(case):              # docs/api.md section 11's options, counted apart too
             keys += ["options", f"options/{case['backend']}"]

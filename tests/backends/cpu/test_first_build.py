@@ -1,5 +1,5 @@
 """The first CPU call builds the compiled kernel (tens of seconds): it says so once, at INFO on the
-``"jagged_sdpa"`` logger and in a short stderr note when a person is watching (issue 33 item 4).
+``"jagged_sdpa"`` logger and in a short stderr note when a person is watching.
 
 A fake compiler stands in for g++ (the real build is timed in the README, not here): it prints a
 version and writes a file where ``-o`` points, or fails, in milliseconds.

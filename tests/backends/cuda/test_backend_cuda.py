@@ -20,9 +20,8 @@ import math
 import pytest
 import torch
 
-from support import calls
-
 from support.cases import cu_of, in_nan_buffer
+from support.described_call import prepare_sdpa, prepare_varlen
 from support.reference import attention_reference, keep_mask
 from support.tolerances import assert_close_packed
 
@@ -400,11 +399,7 @@ def varlen_call(lengths_q, lengths_k, heads_q, heads_kv, dim, dim_v=None, dtype=
     v = make(torch.randn(sum(lengths_k), heads_kv, dim_v).to(dtype)).requires_grad_(requires_grad)
     cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
     return_lse = options.pop("return_lse", True)
-    call, _, _ = calls.prepare_varlen(
-        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), options.pop("dropout_p", 0.0), None,
-        options.pop("causal", False), options.pop("window_size", (-1, -1)), 0.0, options.pop("alibi_slopes", None),
-        return_lse, None, options.pop("seqused_k", None), None)
-    assert not options, options
+    call, _, _ = prepare_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=return_lse, **options)
     return call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
 
 
@@ -459,7 +454,7 @@ def test_flash_marshalling(fake_flash, case):
     assert len(fake_flash.calls) == 1
 
 
-# issue 23 item 1: flash's two window rewrites, Lq = 6, Lk = 2 (max_seqlen_k 2). "applied" is what
+# flash's two window rewrites, Lq = 6, Lk = 2 (max_seqlen_k 2). "applied" is what
 # flash_api.cpp makes of the window when it is passed through unchanged; "rows" are the rows whose
 # keys then differ from docs/api.md's window.
 ISSUE_23_WINDOWS = {
@@ -484,8 +479,8 @@ def _row_keys(len_q, len_k, i, causal, window):
 
 @pytest.mark.parametrize("window", ISSUE_23_WINDOWS, ids=str)
 def test_flash_model_reproduces_the_issue_23_rewrites(window):
-    """The fake's rules, given the window unchanged (what FLASH_VARLEN passed before issue 23),
-    give the windows and the wrong rows the issue emulated."""
+    """The fake's rules, given the window unchanged (what FLASH_VARLEN must not pass),
+    give the windows and the wrong rows it would produce."""
     applied = flash_kernel_window(6, 2, False, *window)
     assert applied == ISSUE_23_WINDOWS[window]["applied"]
     wrong = [i for i in range(6) if _row_keys(6, 2, i, False, window) != _row_keys(6, 2, i, False, applied)]
@@ -569,7 +564,7 @@ def test_flash_seqused_k_forward(fake_flash):
 @pytest.mark.usefixtures("available")
 @pytest.mark.parametrize("max_seqlen_k", [300, 2**31, 2**32, 2**32 + 3], ids=str)
 def test_flash_paged_forward(fake_flash, max_seqlen_k):
-    """Issue 23 item 4: a loose max_seqlen_k (servers pass a static bound) is clamped to the block
+    """A loose max_seqlen_k (servers pass a static bound) is clamped to the block
     table's width x block size; unclamped, the op's int narrowed 2**31 to a negative value and
     2**32 to 0 (no kernel: zeros, lse +inf) and 2**32 + 3 to 3 (windows reset against it)."""
     bs, heads, dim = 256, 2, 16
@@ -579,8 +574,8 @@ def test_flash_paged_forward(fake_flash, max_seqlen_k):
     used = torch.tensor([300, 7], dtype=torch.int32)
     q = torch.randn(3, heads, dim, dtype=torch.float16)
     cu_q = cu_of([2, 1])
-    call, _, _ = calls.prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, max_seqlen_k, 0.0, None, True, (-1, -1),
-                                      0.0, None, True, block_table, used, None)
+    call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_q, None, 2, max_seqlen_k, causal=True, return_lse=True,
+                                block_table=block_table, seqused_k=used)
     call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
     assert call.spec.max_seqlen_k == max_seqlen_k
     result = run(Backend.FLASH_VARLEN, call)
@@ -621,7 +616,7 @@ def test_efficient_marshalling(fake_efficient, case):
 
 @pytest.mark.usefixtures("available")
 def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
-    """The budget of issue 23 item 6 counts the lse the op returns (the fake's, attention.cu's shape)."""
+    """The padded-lse memory budget counts the lse the op returns (the fake's, attention.cu's shape)."""
     from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes
 
     call = varlen_call([40, 1, 3], [5, 9, 33], 4, 2, 16, causal=True, requires_grad=False)
@@ -633,7 +628,7 @@ def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
 
 @pytest.mark.usefixtures("available")
 def test_more_sequences_than_the_grid_holds_are_refused_not_launched(fake_flash, fake_efficient):
-    """Issue 23 item 3: 65536 one-token sequences. The ops fail at launch (the fakes, as the
+    """65536 one-token sequences (the grid axis holds 65535). The ops fail at launch (the fakes, as the
     kernels' grids do); selection refuses both with the reason and takes a backend that can."""
     from jagged_sdpa.selection import select
 
@@ -677,7 +672,7 @@ CUDA_OPTIONS = {
     "causal": {"causal": True},
     "window": {"window_size": (8, 0), "causal": True},
     "window-sym": {"window_size": (4, 4)},
-    # issue 23: sequences with more queries than max_seqlen_k + 1 (flash's window rewrites)
+    # sequences with more queries than max_seqlen_k + 1 (flash's window rewrites)
     "window-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (1, 3)},
     "window-left-only-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (1, -1)},
     "window-right-only-lq-gt-lk": {"lengths": ([6, 70, 3], [2, 5, 9]), "window_size": (-1, 2)},
@@ -822,10 +817,7 @@ def test_cuda_no_host_sync_when_max_lengths_are_given(backend):
 
 
 def sdpa_call(query, key, value, **options):
-    call, _, _ = calls.prepare_sdpa(query, key, value, None, 0.0, options.pop("is_causal", False), None,
-                                   options.pop("enable_gqa", False), options.pop("causal_alignment", "top_left"),
-                                   None, None, None, None)
-    assert not options
+    call, _, _ = prepare_sdpa(query, key, value, **options)
     return call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
 
 

@@ -247,7 +247,7 @@ def test_this_cpu_build_reports_why(monkeypatch):
 
 @pytest.mark.parametrize("impl", [FlashVarlenBackend, EfficientBackend], ids=lambda i: i.backend.value)
 def test_cuda_grid_limits_are_reasons(impl):
-    """Issue 23 item 3: both kernels put the batch on a grid axis of at most 65535 (flash: y,
+    """Both kernels put the batch on a grid axis of at most 65535 (flash: y,
     efficient: z) and the heads on the other; beyond, the launch fails ("invalid configuration
     argument"), so the call goes to a backend that takes it."""
     many = cuda_spec(batch=65536, total_q=65536 * 3, total_k=65536 * 3, max_seqlen_q=3, max_seqlen_k=3)
@@ -261,7 +261,7 @@ def test_cuda_grid_limits_are_reasons(impl):
 
 
 def _long_tail(**changes):
-    """Issue 23 item 6: one 128k-token sequence and 1,000 of 100 tokens, Hq = 32, float32."""
+    """One 128k-token sequence and 1,000 of 100 tokens, Hq = 32, float32."""
     total = 131072 + 1000 * 100
     return cuda_spec(dtype=torch.float32, batch=1001, heads_q=32, heads_kv=32, total_q=total, total_k=total,
                      max_seqlen_q=131072, max_seqlen_k=131072, **changes)

@@ -197,7 +197,7 @@ def test_nan_tails_are_never_read():
 
 
 @pytest.mark.parametrize("lens_q, lens_k, hq, hkv, window", [
-    ([14], [1], 4, 2, (-1, -1)),          # issue 11.5: GQA-packed decode tile, rows 0-7 see no key
+    ([14], [1], 4, 2, (-1, -1)),          # GQA-packed decode tile, rows 0-7 see no key
     ([14, 9], [1, 0], 4, 2, (2, 0)),      # the same with a window and an empty key sequence
     ([40, 3], [3, 1], 2, 2, (-1, -1)),    # per-head tiles whose band ends before key 0
     ([30], [2], 4, 1, (0, 1)),            # MQA, window right of the diagonal
@@ -243,7 +243,7 @@ def _device_check_cases():
         ("add_cu", ("cu", cu([0, 3, 8]), 8, 4, "max"), False),                # longer than max
         ("add_cu", ("cu", cu(list(range(0, 3001, 1))), 3000, 1, "max"), True),  # several blocks
         ("add_cu", ("cu", cu(list(range(0, 3000, 1)) + [3002]), 3002, 1, "max"), False),
-        # issue 23: int32 differences of out-of-range offsets wrap to "valid" lengths (2**31 - 1,
+        # int32 differences of out-of-range offsets wrap to "valid" lengths (2**31 - 1,
         # 6, 2**31 - 1, 6); sequence 1 would start at row 2**31 - 1 of a 10-row tensor
         ("add_cu", ("cu", cu([0, 2**31 - 1, -2**31 + 5, 4, 10]), 10, 2**31 - 1, "max"), False),
         ("add_cu", ("cu", cu([0, 2**63 - 1, -2**63 + 5, 4, 10], torch.int64), 10, 2**63 - 1, "max"), False),
@@ -274,7 +274,7 @@ def test_device_checks_triton_form_agrees_with_torch_ops():
         getattr(checks, adder)(*args)
         assert bool(device._flags_torch(checks).all()) == ok, (adder, args)
         assert bool(device._flags_triton(checks, kernels).all()) == ok, (adder, args)
-    wrapped = device.DeviceChecks()   # issue 23's case, queued as a call queues it: a clear error
+    wrapped = device.DeviceChecks()   # the wrapping case above, queued as a call queues it: a clear error
     wrapped.add_cu("cu_seqlens_q", torch.tensor([0, 2**31 - 1, -2**31 + 5, 4, 10], dtype=torch.int32), 10,
                    2**31 - 1, "max_seqlen_q")
     with pytest.raises(RuntimeError, match="bad cu_seqlens_q: offsets must start at 0, not decrease, stay within"):
@@ -380,7 +380,7 @@ def _spy_launches(monkeypatch):
 
 
 def test_static_max_seqlen_q_bound_gets_the_decode_plan(monkeypatch):
-    """Issue 23 item 5: a decode step called with a static bound (131072, as servers and CUDA graphs
+    """A decode step called with a static bound (131072, as servers and CUDA graphs
     pass) is planned from min(bound, total_q): split-K and GQA packing, as with the true bound."""
     seen = _spy_launches(monkeypatch)
     lens_q, lens_k, hq, hkv, d = [1, 1, 1], [300, 261, 5], 4, 1, 16
@@ -400,8 +400,7 @@ def test_static_max_seqlen_q_bound_gets_the_decode_plan(monkeypatch):
 
 
 def test_max_seqlen_bounds_past_the_grid_are_clamped(monkeypatch):
-    """Issue 23 item 5: bounds around 2**35 made a grid no GPU launches; forward and backward now
-    launch from the packed totals and match the reference."""
+    """Bounds around 2**35 would make a grid no GPU launches: forward and backward from the packed totals and match the reference."""
     seen = _spy_launches(monkeypatch)
     lens_q, lens_k = [5, 3, 0], [4, 6, 2]
     q, k, v = _tensors(lens_q, lens_k, 2, 1, 16, 16, torch.float32)
@@ -423,14 +422,14 @@ def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
     from jagged_sdpa.backends.triton.plans import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
-    from support.calls import prepare_varlen as _prepare_varlen
+    from support.described_call import prepare_varlen
 
     lens_q, lens_k, hq, hkv, d = [2, 0, 3], [150, 40, 300], 3, 1, 16
     q, k, v = _tensors(lens_q, lens_k, hq, hkv, d, 24, torch.float32)
     cu_q, cu_k = cu_of(lens_q).to(DEVICE), cu_of(lens_k).to(DEVICE)
     slopes = torch.rand(len(lens_q), hq, device=DEVICE)
-    call, _, _ = _prepare_varlen(q, k, v, cu_q, cu_k, None, None, 0.0, None, True, (100, -1), 4.0, slopes,
-                                 True, None, None, "triton")
+    call, _, _ = prepare_varlen(q, k, v, cu_q, cu_k, causal=True, window_size=(100, -1), softcap=4.0,
+                                alibi_slopes=slopes, return_lse=True, backend="triton")
     parts = launch_fwd(call, num_splits=3, pack_gqa=pack_gqa)
     assert parts.out.shape[0] == 3
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
@@ -456,7 +455,7 @@ def test_paged_split_k_bounds_past_2_32(monkeypatch):
     size before planning."""
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.backends.triton.plans import merge_splits
-    from support.calls import prepare_varlen
+    from support.described_call import prepare_varlen
 
     lens_q, lens_k, hq, hkv, d = [1], [300], 2, 1, 16
     k_cache, v_cache, table, k_packed, v_packed = _paged_cache(lens_k, hkv, d, d, 64)
@@ -464,8 +463,8 @@ def test_paged_split_k_bounds_past_2_32(monkeypatch):
     used = torch.tensor(lens_k, dtype=torch.int32)
     args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), cu_of(lens_q).to(DEVICE), None, 1, 2**32 + 3)
     ref_out, ref_lse, _ = _reference(q, k_packed, v_packed, cu_of(lens_q), cu_of(lens_k))
-    call, _, _ = prepare_varlen(*args, 0.0, None, False, (-1, -1), 0.0, None, True, table.to(DEVICE),
-                                used.to(DEVICE), "triton")
+    call, _, _ = prepare_varlen(*args, return_lse=True, block_table=table.to(DEVICE), seqused_k=used.to(DEVICE),
+                                backend="triton")
     assert call.spec.max_seqlen_k == 2**32 + 3
     parts = launch_fwd(call, num_splits=16)
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
@@ -645,13 +644,14 @@ def _dense_cache(used, leftpad, s, hkv, d, dv, dtype):
 def _dense_call(q, k_cache, v_cache, lens_q, used, leftpad, *, causal=False, window=(-1, -1), softcap=0.0,
                 slopes=None, needs_grad=False, sinks=None, chunk_size=None, prefix_lens=None):
     """The PackedCall a dense-cache varlen call arrives as (spec.dense_cache, block_table [[b]])."""
-    from support.calls import prepare_varlen
+    from support.described_call import prepare_varlen
 
     b, s = k_cache.shape[0], k_cache.shape[1]
     table = torch.arange(b, dtype=torch.int32).unsqueeze(1).to(DEVICE)
     used_t = torch.tensor(used, dtype=torch.int32, device=DEVICE)
-    call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_of(lens_q).to(DEVICE), None, max(lens_q), s, 0.0, None,
-                                causal, window, softcap, slopes, True, table, used_t, "triton")
+    call, _, _ = prepare_varlen(q, k_cache, v_cache, cu_of(lens_q).to(DEVICE), None, max(lens_q), s, causal=causal,
+                                window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True,
+                                block_table=table, seqused_k=used_t, backend="triton")
     spec = call.spec.replace(dense_cache=True, leftpad=True, needs_grad=needs_grad, sinks=sinks is not None,
                              chunk_size=chunk_size, prefix=prefix_lens is not None)
     return call.replace(spec=spec, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE),

@@ -2,7 +2,18 @@ import os
 import sys
 
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))  # the helpers: ``from support.cases import cu_of``
+
+# Under pytest-xdist (``-n 2`` in pyproject's addopts) each worker gets one torch/OpenMP thread: two
+# workers on a 2-core machine, each with two threads, would spin at OpenMP barriers. Tests that are
+# about threads set their own counts (and put them back).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A test that runs pytest in a child process (a module's cases under TRITON_INTERPRET=1, the kernel
+# subset on another build) runs it in that one process: the child's own workers would not see what
+# the parent set up for it (e.g. the Arm build's entry points) and would load the machine twice.
+os.environ["PYTEST_ADDOPTS"] = " ".join(filter(None, (os.environ.get("PYTEST_ADDOPTS"), "-n 0")))
+
 from support.triton_interpreter import interpreter_env  # noqa: E402
 
 
@@ -24,17 +35,28 @@ _import_triton_interpreted()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# Modules whose module-scoped fixtures are expensive (tiny transformers models, the sanitized
+# build): under ``--dist loadgroup`` each runs on one worker, which builds them once.
+_ONE_WORKER = ("integrations/test_transformers", "safety/test_sanitizers.py")
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if any(part in path for part in _ONE_WORKER):
+            item.add_marker(pytest.mark.xdist_group(path))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-

@@ -19,9 +19,10 @@ from support import remote_kernel
 from support.guarded import run_child
 from test_portable_build import SUBSET
 
-pytestmark = pytest.mark.skipif(bool(remote_kernel.missing_tools()),
-                                reason=f"needs {' and '.join(remote_kernel.missing_tools())} "
-                                       "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+pytestmark = [pytest.mark.cross_isa,
+              pytest.mark.skipif(bool(remote_kernel.missing_tools()),
+                                 reason=f"needs {' and '.join(remote_kernel.missing_tools())} "
+                                        "(apt-get install g++-aarch64-linux-gnu qemu-user)")]
 
 _CHILD = """
 import sys, pytest

@@ -78,6 +78,7 @@ def _arch_env(arch: str) -> dict:
     return dict(os.environ, JAGGED_SDPA_CPU_ARCH=arch, OMP_NUM_THREADS="1")
 
 
+@pytest.mark.cross_isa
 def test_x86_64_v3_build_has_no_avx512_and_passes_the_kernel_tests():
     proc = run_child(_CHILD.format(subset=SUBSET), env=_arch_env(PORTABLE), timeout=600)
     out = proc.stdout
@@ -85,7 +86,7 @@ def test_x86_64_v3_build_has_no_avx512_and_passes_the_kernel_tests():
     assert target.startswith(f"-march={PORTABLE} (") and "avx2" in target and "fma" in target, target
     assert "avx512" not in target, target
     assert re.search(r"^BF16_TILES 0$", out, re.M), out[-2000:]  # bf16 widened to float32
-    # issue 30: the tiles for 16 ymm registers, not the AVX-512 tile split over two ymm each
+    # the tiles for 16 ymm registers, not the AVX-512 tile split over two ymm each
     assert re.search(r"^TILE AVX2\+FMA: 6 rows x 16 columns \(12 ymm accumulators\)$", out, re.M), out[-2000:]
     assert proc.returncode == 0, out[-4000:]
     passed = re.search(r"(\d+) passed", out)
@@ -97,6 +98,7 @@ def test_x86_64_v3_build_has_no_avx512_and_passes_the_kernel_tests():
         assert "ymm" in code and "zmm" not in code  # 256-bit registers, no 512-bit ones
 
 
+@pytest.mark.cross_isa
 @pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _CPU_FLAGS,
                     reason=f"needs a CPU that runs {NO_AMX} (AVX512-BF16)")
 def test_bf16_tiles_without_amx_pass_the_bf16_kernel_tests():
@@ -116,6 +118,7 @@ def test_bf16_tiles_without_amx_pass_the_bf16_kernel_tests():
 AMX = "sapphirerapids"
 
 
+@pytest.mark.cross_isa
 def test_the_amx_build_compiles_with_its_tile_code(tmp_path):
     cxx = native._compiler()
     library = tmp_path / "attention-amx.so"

@@ -39,8 +39,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # Modules whose module-scoped fixtures are expensive (tiny transformers models, the sanitized
-# build): under ``--dist loadgroup`` each runs on one worker, which builds them once.
-_ONE_WORKER = ("integrations/test_transformers", "safety/test_sanitizers.py")
+# build, the Arm build): under ``--dist loadgroup`` each runs on one worker, which builds them once.
+_ONE_WORKER = ("integrations/test_transformers", "safety/test_sanitizers.py", "backends/cpu/test_arm_build.py")
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,20 @@ from jagged_sdpa import Backend
 from support.cases import feature_call
 from support.reference import attention_reference
 from support.tolerances import assert_cache_grads_close, assert_close_lse, assert_close_packed, float64_leaves, tolerance
+from support.triton_interpreter import is_interpreted
+
+# TRITON serves CPU tensors only under TRITON_INTERPRET=1, with triton imported interpreted. Where this
+# process imported it so (the conftest does, without a GPU), the TRITON cases run here with the
+# variable set around each (as test_dropout.py's ``interpret``); elsewhere a fresh interpreted
+# process runs them (test_paged_cases_under_the_interpreter).
+TRITON_HERE = is_interpreted(sys.modules.get("triton"))
+
+
+@pytest.fixture(autouse=True)
+def _interpret_triton_cases(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    if TRITON_HERE and callspec is not None and callspec.params.get("backend") is Backend.TRITON:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 BACKENDS = list(Backend)
 NAN = float("nan")
@@ -632,10 +646,11 @@ def test_reference_gather_is_independent_of_layout():
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the TRITON cases already ran in this process")
+@pytest.mark.skipif(TRITON_HERE or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the TRITON cases run in this process")
 def test_paged_cases_under_the_interpreter():
-    """TRITON serves CPU tensors only when TRITON_INTERPRET=1 is set before triton is imported, so
-    this module's TRITON cases run again in a fresh process that sets it."""
+    """This module's TRITON cases in a fresh process that sets TRITON_INTERPRET=1 before triton is
+    imported (this one imported it compiled)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,

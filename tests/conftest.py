@@ -38,9 +38,13 @@ import torch  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# Modules whose module-scoped fixtures are expensive (tiny transformers models, the sanitized
-# build, the Arm build): under ``--dist loadgroup`` each runs on one worker, which builds them once.
-_ONE_WORKER = ("integrations/test_transformers", "safety/test_sanitizers.py", "backends/cpu/test_arm_build.py")
+# Modules whose tests share an expensive build (module fixtures: tiny transformers models, the
+# sanitized kernel, the Arm driver; the x86-64-v3 kernel in the build cache for the guard-page
+# children): under ``--dist loadgroup`` each runs on one worker, which builds it once. (Two workers
+# building one library at once would be safe, native.py installs it by atomic rename, but twice
+# the work.)
+_ONE_WORKER = ("integrations/test_transformers", "safety/test_sanitizers.py", "safety/test_guard_pages.py",
+               "backends/cpu/test_arm_build.py")
 
 
 @pytest.fixture(autouse=True)

@@ -77,7 +77,7 @@ def test_large_logit_mode_draws_what_it_says(monkeypatch):
         assert all(m[x] == p[x] for x in kept) and (m == p or m["scores"] == "large")
 
 
-def test_large_logit_mode_catches_the_issue_21_error(monkeypatch):
+def test_large_logit_mode_catches_a_one_hot_gradient_error(monkeypatch):
     """The checker is tight where the softmax is one-hot: dv off by 5e-4 relative (what the
     compiled kernel's backward gave at |S| ~ 240 before the fix) fails a one-key case."""
     case = next(c for c in (fuzz.make_case(9, i, backend="math", entry="varlen", mode="large") for i in range(500))

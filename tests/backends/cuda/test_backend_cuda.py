@@ -478,7 +478,7 @@ def _row_keys(len_q, len_k, i, causal, window):
 
 
 @pytest.mark.parametrize("window", ISSUE_23_WINDOWS, ids=str)
-def test_flash_model_reproduces_the_issue_23_rewrites(window):
+def test_flash_model_reproduces_flashs_window_rewrites(window):
     """The fake's rules, given the window unchanged (what FLASH_VARLEN must not pass),
     give the windows and the wrong rows it would produce."""
     applied = flash_kernel_window(6, 2, False, *window)

@@ -63,8 +63,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import jagged_sdpa  # noqa: E402
-from reference import attention_reference  # noqa: E402
-from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
+from support.reference import attention_reference  # noqa: E402
+from support.tolerances import assert_close_lse, assert_close_packed  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not ARGS.cpu
 DEVICE = "cuda" if CUDA else "cpu"
@@ -106,7 +106,7 @@ def check_cuda_tests():
         raise Skip("no CUDA device")
     if ARGS.skip_tests:
         raise Skip("--skip-tests")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "cuda",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", "cuda",
                           str(ROOT / "tests")], capture_output=True, text=True, timeout=240, cwd=ROOT)
     tail = run.stdout.strip().splitlines()[-1:] or [run.stderr[-300:]]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
@@ -172,7 +172,7 @@ def _paged(lens_k, hkv, d, block_size, dtype=torch.float32):
 def check_paged_split_k_past_2_32():
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.backends.triton.launch_rules import merge_splits
-    from calls import prepare_varlen
+    from support.described_call import prepare_varlen
 
     lens_k = [300, 4000] if CUDA else [300]
     lens_q = [1] * len(lens_k)
@@ -182,7 +182,7 @@ def check_paged_split_k_past_2_32():
     cu_q = cu_of(lens_q)
     ref_out, ref_lse, _ = reference(q, kp, vp, cu_q, cu_of(lens_k))
     args = (q, kc, vc, cu_q, None, 1, 2**32 + 3)
-    call, _, _ = prepare_varlen(*args, 0.0, None, False, (-1, -1), 0.0, None, True, table, used, "triton")
+    call, _, _ = prepare_varlen(*args, return_lse=True, block_table=table, seqused_k=used, backend="triton")
     parts = launch_fwd(call, num_splits=16)
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
     compare(out, ref_out, cu_q, "out (16 forced splits)")

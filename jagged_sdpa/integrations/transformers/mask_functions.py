@@ -3,7 +3,7 @@ builds are recognised, never evaluated (that would need the Q x K mask jagged at
 turned into an ``Overlay``: the pattern and what its overlays mean in ``varlen_attention``'s options
 (docs/api.md section 11). The mask hook carries them with the mask; a mask without padding is then
 returned anyway, as a marker. Each equals "eager" on every sequence alone
-(tests/test_transformers_overlays.py):
+(tests/integrations/test_transformers_overlays.py):
 
 - Llama 4 chunked layers (``chunked_overlay``): ``chunk_size`` (``overlays.chunk_keys``). Packed rows:
   Llama 4's layers do not pass position_ids on, so they need the collator's cu_seq_lens kwargs; a

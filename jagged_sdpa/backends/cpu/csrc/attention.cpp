@@ -88,7 +88,10 @@
 #endif
 
 #if defined(__AVX__) && !JS_AVX512
-#include <immintrin.h>  // lane_sums' horizontal adds
+#include <immintrin.h>  // lane_sums' horizontal adds, group_scores' FMAs
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>  // group_scores' FMAs
 #endif
 
 namespace {
@@ -1142,6 +1145,26 @@ inline __attribute__((always_inline)) void lane_sums(const nvf* a, float* out) {
 #endif
 }
 
+// c + a * b, one rounding where the target has FMAs, whatever the code around it: left to the
+// compiler's contraction, group_scores<2, 1> and <1, 1> rounded one head's score differently (the
+// backward's scores must be the forward's bit for bit).
+inline __attribute__((always_inline)) nvf fma_n(nvf a, nvf b, nvf c) {
+#if defined(__FMA__) && JS_VEC_BYTES == 32
+    return reinterpret_cast<nvf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+#elif defined(__aarch64__)
+    return vfmaq_f32(c, a, b);
+#else
+    return c + a * b;  // no FMA instruction to contract into
+#endif
+}
+inline __attribute__((always_inline)) float fma_1(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return c + a * b;
+#endif
+}
+
 // s[h * ls + j] = q_h . k_j for h < NH query rows (float32, pre-scaled, qd apart) and j < NK key
 // rows kr[j] + off, NH * NK <= 8 accumulators: each key register is loaded once for the NH heads.
 template <class IO, int NH, int NK>
@@ -1159,7 +1182,7 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
         for (int h = 0; h < NH; ++h) {
             nvf qq;
             std::memcpy(&qq, q + h * qd + e, sizeof qq);
-            for (int j = 0; j < NK; ++j) acc[h * NK + j] += qq * kv[j];
+            for (int j = 0; j < NK; ++j) acc[h * NK + j] = fma_n(qq, kv[j], acc[h * NK + j]);
         }
     }
     float r[NH * NK];
@@ -1167,7 +1190,7 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
     for (int h = 0; h < NH; ++h)
         for (int j = 0; j < NK; ++j) {
             float tail = 0.f;
-            for (int64_t t = e; t < d; ++t) tail += q[h * qd + t] * IO::ld(kr[j] + t);
+            for (int64_t t = e; t < d; ++t) tail = fma_1(q[h * qd + t], IO::ld(kr[j] + t), tail);
             s[h * ls + j] = r[h * NK + j] + tail;
         }
 }

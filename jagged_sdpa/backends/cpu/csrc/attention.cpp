@@ -1263,9 +1263,10 @@ inline void group_pv(const float* pr, int64_t ls, const typename IO::T* const* v
             if (ahead && c == 0) (*ahead)(j);
             vf x[nv];
             for (int u = 0; u < nv; ++u) x[u] = IO::ld16(vr[j] + off + c + u * W);
-            for (int h = 0; h < NH; ++h) {
-                const vf pj = splat(pr[h * ls + j]);
-                for (int u = 0; u < nv; ++u) acc[h][u] += pj * x[u];
+            for (int h = 0; h < NH; ++h) {  // register by register: vf's += was left out of line
+                const nvf pj = splat(pr[h * ls + j]).h[0];
+                for (int u = 0; u < nv; ++u)
+                    for (int i = 0; i < NP; ++i) acc[h][u].h[i] = fma_n(pj, x[u].h[i], acc[h][u].h[i]);
             }
         }
         for (int h = 0; h < NH; ++h)

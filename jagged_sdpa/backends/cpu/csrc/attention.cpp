@@ -1121,7 +1121,7 @@ inline __m512 sum16(const __m512* a) {
 // out[i] = the lanes of a[i] summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) (with 4
 // lanes: (x0 + x1) + (x2 + x3)), for i < N <= 8. With AVX, eight registers at once by a transposing
 // tree of horizontal adds (the same order of adds in every lane). Always inlined: called, the
-// accumulators went through memory (a tenth of a decode row's time).
+// accumulators went through memory.
 inline __attribute__((always_inline)) float lane_tree(nvf x) {
     float t[NL];
     std::memcpy(t, &x, sizeof t);

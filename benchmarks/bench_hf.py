@@ -58,6 +58,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import continuous_batching as jt_cb  # noqa: E402
 
 VOCAB = 512
 
@@ -335,10 +336,10 @@ def continuous_batching(args, model, gen: torch.Generator) -> None:
 
     contenders = [("sdpa (transformers)", False), ("jagged (in sdpa)", True)]
     ref = run(False)[1]
-    before = dict(jt._cb_stats)
+    before = dict(jt_cb.stats)
     if run(True)[1] != ref:
         raise SystemExit("continuous batching: jagged tokens differ from transformers' sdpa")
-    modes = {k: jt._cb_stats[k] - before[k] for k in before}
+    modes = {k: jt_cb.stats[k] - before[k] for k in before}
     times = {label: [] for label, _ in contenders}
     for _ in range(args.cb_rounds):
         for label, jagged in contenders:

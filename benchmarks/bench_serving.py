@@ -215,7 +215,7 @@ def reference_step(plan: StepPlan, layer_inputs, keys_of, layer: int) -> torch.T
     return out
 
 
-ABS_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # tests/tolerances.py
+ABS_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # tests/support/tolerances.py
 
 
 def percentile(values, p):

@@ -63,8 +63,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import jagged_sdpa  # noqa: E402
-from reference import attention_reference  # noqa: E402
-from tolerances import assert_close_lse, assert_close_packed  # noqa: E402
+from support.reference import attention_reference  # noqa: E402
+from support.tolerances import assert_close_lse, assert_close_packed  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not ARGS.cpu
 DEVICE = "cuda" if CUDA else "cpu"
@@ -106,7 +106,7 @@ def check_cuda_tests():
         raise Skip("no CUDA device")
     if ARGS.skip_tests:
         raise Skip("--skip-tests")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "cuda",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", "cuda",
                           str(ROOT / "tests")], capture_output=True, text=True, timeout=240, cwd=ROOT)
     tail = run.stdout.strip().splitlines()[-1:] or [run.stderr[-300:]]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
@@ -172,7 +172,7 @@ def _paged(lens_k, hkv, d, block_size, dtype=torch.float32):
 def check_paged_split_k_past_2_32():
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.backends.triton.launch_rules import merge_splits
-    from calls import prepare_varlen
+    from support.described_call import prepare_varlen
 
     lens_k = [300, 4000] if CUDA else [300]
     lens_q = [1] * len(lens_k)
@@ -182,7 +182,7 @@ def check_paged_split_k_past_2_32():
     cu_q = cu_of(lens_q)
     ref_out, ref_lse, _ = reference(q, kp, vp, cu_q, cu_of(lens_k))
     args = (q, kc, vc, cu_q, None, 1, 2**32 + 3)
-    call, _, _ = prepare_varlen(*args, 0.0, None, False, (-1, -1), 0.0, None, True, table, used, "triton")
+    call, _, _ = prepare_varlen(*args, return_lse=True, block_table=table, seqused_k=used, backend="triton")
     parts = launch_fwd(call, num_splits=16)
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
     compare(out, ref_out, cu_q, "out (16 forced splits)")
@@ -192,6 +192,35 @@ def check_paged_split_k_past_2_32():
     compare(out, ref_out, cu_q, "out")
     assert_close_lse(lse.cpu(), ref_lse)
     return f"keys {lens_k}, max_seqlen_k 2**32+3"
+
+
+def check_fp8_cache_decode():
+    """An fp8 paged cache (docs/api.md section 13) read by TRITON in bf16 and fp16, both formats,
+    per-kv-head scales, long enough on CUDA for split-K: against float64 on the dequantized keys."""
+    lens_k = [1700, 33, 2500] if CUDA else [70, 33]
+    hq, hkv, d = 8, 2, 64 if CUDA else 16
+    kc, vc, table, kp, vp = _paged(lens_k, hkv, d, 16)
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    cu_q = cu_of([1] * len(lens_k))
+    k_scale = torch.tensor([0.02, 0.05], device=DEVICE)
+    v_scale = torch.tensor(0.03, device=DEVICE)
+    done = []
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        largest = torch.finfo(fp8).max
+        quant = lambda x, s: (x.float() / s.reshape(-1, 1)).clamp(-largest, largest).to(fp8)
+        k8, v8 = quant(kc, k_scale), quant(vc, v_scale)
+        kd = quant(kp.to(DEVICE), k_scale).float() * k_scale.reshape(-1, 1)
+        vd = quant(vp.to(DEVICE), v_scale).float() * v_scale.reshape(-1, 1)
+        for dtype in ((torch.bfloat16, torch.float16) if CUDA else (torch.float32,)):
+            q = torch.randn(len(lens_k), hq, d, device=DEVICE).to(dtype)
+            ref_out, ref_lse, _ = reference(q, kd, vd, cu_q, cu_of(lens_k), causal=True, alignment="bottom_right")
+            out, lse = jagged_sdpa.varlen_attention(q, k8, v8, cu_q, None, 1, max(lens_k), block_table=table,
+                                                    seqused_k=used, k_scale=k_scale, v_scale=v_scale, causal=True,
+                                                    return_lse=True, backend="triton")
+            compare(out, ref_out, cu_q, f"out {fp8} q {dtype}")
+            assert_close_lse(lse.cpu(), ref_lse, name=f"lse {fp8} q {dtype}")
+            done.append(f"{str(fp8)[6:]}/{str(dtype)[6:]}")
+    return "keys " + str(lens_k) + ": " + ", ".join(done)
 
 
 def check_strided_table_and_slopes():
@@ -285,9 +314,9 @@ def check_eager_mask_without_mask_function():
         from transformers import masking_utils
     except Exception as error:  # transformers is optional
         raise Skip(f"transformers not importable: {error}")
-    from jagged_sdpa.integrations import transformers as jt
+    from jagged_sdpa.integrations.transformers import eager as jt_eager
 
-    mask = jt._eager_mask(2, 3, 5, 2, 0, None, None, False, None)
+    mask = jt_eager.eager_mask(2, 3, 5, 2, 0, None, None, False, None)
     expected = masking_utils.eager_mask(batch_size=2, q_length=3, kv_length=5, q_offset=2, kv_offset=0,
                                         mask_function=masking_utils.causal_mask_function, attention_mask=None,
                                         use_vmap=False, device="cpu")
@@ -436,6 +465,7 @@ CHECKS = [
     ("triton-interior-tiles", check_triton_interior_tiles),
     ("paged-split-k-2**32", check_paged_split_k_past_2_32),
     ("strided-table-slopes", check_strided_table_and_slopes),
+    ("fp8-cache-decode", check_fp8_cache_decode),
     ("no-autotuner-graph-capture", check_no_autotuner_and_graph_capture),
     ("fp32-d256-decode-autotune", check_fp32_d256_decode_autotune),
     ("one-hot-gradients", check_one_hot_gradients),

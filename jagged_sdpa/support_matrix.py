@@ -1,7 +1,7 @@
 """The README's "supported features per backend" table, generated from the declared Capabilities.
 
 ``python -m jagged_sdpa.support_matrix --write README.md`` rewrites the table between its markers;
-tests/test_support_matrix.py fails when the README's copy is stale.
+tests/docs/test_support_matrix.py fails when the README's copy is stale.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The position rules of docs/api.md section 5b in torch ops, written once (MATH runs them; tests/reference.py is independent).
+"""The position rules of docs/api.md section 5b in torch ops, written once (MATH runs them; tests/support/reference.py is independent).
 
 A query row's aligned position is i' = i (top_left) or i + Lk - Lq (bottom_right). Causal keeps
 keys j <= i'; a window keeps i' - left <= j <= i' + right (-1 unbounded); ALiBi adds

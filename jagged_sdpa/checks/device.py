@@ -10,7 +10,7 @@ A call collects its checks in ``DeviceChecks`` and queues them once. On CUDA eac
 small Triton kernel writing a flag, followed by one ``torch._assert_async`` over all flags: 4
 launches for a varlen call with distinct cu_seqlens, where the same rules as torch ops took 22
 (measured on an H100: about 250 us of the 512 us host overhead of a decode-sized call). Elsewhere
-(other accelerators, no Triton) the rules run as torch ops; ``tests/test_backend_triton.py`` checks
+(other accelerators, no Triton) the rules run as torch ops; ``tests/backends/triton/test_backend_triton.py`` checks
 that both forms agree on good and bad inputs.
 """
 

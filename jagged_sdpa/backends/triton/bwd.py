@@ -3,7 +3,7 @@
 Mirrors ``fwd.py``: ``_attn_bwd_delta`` computes ``delta = rowsum(out * grad_out)`` first (rounded
 as dP is, so a one-hot row's dS is exactly 0), then two
 kernels recompute the probabilities from q, k and the forward's lse (``P = exp(S - lse)``;
-reference: the float64 ``tests/reference.py`` differentiated by autograd):
+reference: the float64 ``tests/support/reference.py`` differentiated by autograd):
 
 * ``_attn_bwd_dkdv``: grid (key blocks of the longest sequence, Hkv * GROUP_SPLITS, B). One program
   owns a key block of one kv head and loops over (its share of) the GROUP query heads that share it

@@ -1,7 +1,7 @@
 """Forward attention kernel on packed ``thd`` buffers (and paged KV caches), with its launcher.
 
 Computes, per sequence b and query head h, ``out = softmax(scores) @ V`` (dropout applied to the
-probabilities) and the natural-log lse of each row, reference: ``tests/reference.py``.
+probabilities) and the natural-log lse of each row, reference: ``tests/support/reference.py``.
 
 Layout: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv) or paged (num_blocks, block_size, Hkv, D/Dv)
 with a block table; every stride is passed, so non-contiguous views (a fused qkv buffer) work.

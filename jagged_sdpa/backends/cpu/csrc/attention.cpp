@@ -90,6 +90,13 @@
 #define JS_BF16_BWD 0
 #endif
 
+#if defined(__AVX__) && !JS_AVX512
+#include <immintrin.h>  // lane_sums' horizontal adds, group_scores' FMAs
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>  // group_scores' FMAs
+#endif
+
 namespace {
 
 constexpr int W = 16;        // floats per vector
@@ -250,6 +257,7 @@ struct F32 {
     typedef F32 QO;  // q and out: in the input dtype, except beside an fp8 cache
     static float ld(const T* p) { return *p; }
     static vf ld16(const T* p) { return loadu(p); }
+    static nvf ldn(const T* p) { nvf r; std::memcpy(&r, p, sizeof r); return r; }  // NL elements, one register
     static T st(float x) { return x; }
 };
 // Arm's half type is __fp16 (IEEE binary16 on aarch64; g++ before 13 has no _Float16 in C++ there).
@@ -304,13 +312,12 @@ struct F16 {
     typedef half_t T;
     typedef F16 QO;
     static float ld(const T* p) { return static_cast<float>(*p); }
-    static vf ld16(const T* p) {
-        return build([p](int i) {
-            nvh h;
-            std::memcpy(&h, p + i * NL, sizeof h);
-            return widen_halves(h);
-        });
+    static nvf ldn(const T* p) {
+        nvh h;
+        std::memcpy(&h, p, sizeof h);
+        return widen_halves(h);
     }
+    static vf ld16(const T* p) { return build([p](int i) { return ldn(p + i * NL); }); }
     static T st(float x) { return static_cast<half_t>(x); }
 };
 struct BF16 {
@@ -322,13 +329,12 @@ struct BF16 {
         std::memcpy(&f, &b, 4);
         return f;
     }
-    static vf ld16(const T* p) {
-        return build([p](int i) {
-            typename Native<uint16_t, JS_VEC_BYTES / 2>::type h;
-            std::memcpy(&h, p + i * NL, sizeof h);
-            return reinterpret_cast<nvf>(__builtin_convertvector(h, nvi) << 16);
-        });
+    static nvf ldn(const T* p) {  // widened by a shift into the high half of each word
+        typename Native<uint16_t, JS_VEC_BYTES / 2>::type h;
+        std::memcpy(&h, p, sizeof h);
+        return reinterpret_cast<nvf>(__builtin_convertvector(h, nvi) << 16);
     }
+    static vf ld16(const T* p) { return build([p](int i) { return ldn(p + i * NL); }); }
     static T st(float x) {  // round to nearest even; NaN stays NaN
         uint32_t b;
         std::memcpy(&b, &x, 4);
@@ -356,17 +362,16 @@ struct FP8 {
         if (!E4M3) return static_cast<float>(x);
         return (b & 0x7fu) == 0x7fu ? NAN : static_cast<float>(x) * 256.f;
     }
-    static vf ld16(const T* p) {
-        return build([p](int i) {
-            const nvh w = widen_bytes(p + i * NL);
-            if (!E4M3) return widen_halves(w << 8);
-            // S.EEEE.MMM -> S.0EEEE.MMM0000000 (t + (t & 0x4000) moves the sign from bit 14 to 15);
-            // S.1111.111 (NaN) gets binary16's all-ones exponent and a quiet mantissa bit.
-            const nvh t = w << 7;
-            const nvh nan = (w & 0x7f) == 0x7f;
-            return widen_halves((t + (t & 0x4000)) | (nan & 0x7e00)) * 256.f;
-        });
+    static nvf ldn(const T* p) {
+        const nvh w = widen_bytes(p);
+        if (!E4M3) return widen_halves(w << 8);
+        // S.EEEE.MMM -> S.0EEEE.MMM0000000 (t + (t & 0x4000) moves the sign from bit 14 to 15);
+        // S.1111.111 (NaN) gets binary16's all-ones exponent and a quiet mantissa bit.
+        const nvh t = w << 7;
+        const nvh nan = (w & 0x7f) == 0x7f;
+        return widen_halves((t + (t & 0x4000)) | (nan & 0x7e00)) * 256.f;
     }
+    static vf ld16(const T* p) { return build([p](int i) { return ldn(p + i * NL); }); }
 };
 typedef FP8<true> E4M3;
 typedef FP8<false> E5M2;
@@ -1137,17 +1142,6 @@ void tile_amx(int rows, const uint16_t* qb, int64_t ldq, int64_t dchunks, const 
 }
 #endif
 
-// sum_e a[e] * b[e] over d elements: a is float32 (a packed query), b a row of the input.
-template <class IO>
-inline float dot(const float* a, const typename IO::T* b, int64_t d) {
-    vf acc = splat(0.f);
-    int64_t e = 0;
-    for (; e + W <= d; e += W) acc += loadu(a + e) * IO::ld16(b + e);
-    float tail = 0.f;
-    for (; e < d; ++e) tail += a[e] * IO::ld(b + e);
-    return hsum(acc) + tail;
-}
-
 constexpr int DIRECT_KEYS = 256;  // most keys per step of a direct row (scratch size)
 constexpr int64_t DIRECT_STEP_BYTES = 256 * 1024;  // most bytes of K (or V) per step of a direct row
 
@@ -1205,6 +1199,202 @@ inline __m512 sum16(const __m512* a) {
 }
 #endif
 
+#if !JS_AVX512
+// Direct rows on narrower registers (AVX2, NEON, SSE) take a kv head's query heads together: each
+// key and value row is loaded once for all the heads that share it (where a head at a time loaded
+// it once per head). A (query, key) score is one chain of FMAs per register lane over the head dim
+// in order, the lanes summed pairwise (lane_sums), then the scalar tail in order: the same bits
+// whatever the pair's slot or the heads beside it, so the backward (direct_scores) recomputes the
+// forward's scores exactly.
+
+// out[i] = the lanes of a[i] summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) (with 4
+// lanes: (x0 + x1) + (x2 + x3)), for i < N <= 8. With AVX, eight registers at once by a transposing
+// tree of horizontal adds (the same order of adds in every lane). Always inlined: called, the
+// accumulators went through memory.
+inline __attribute__((always_inline)) float lane_tree(nvf x) {
+    float t[NL];
+    std::memcpy(t, &x, sizeof t);
+    for (int w = 1; w < NL; w *= 2)
+        for (int i = 0; i < NL; i += 2 * w) t[i] += t[i + w];
+    return t[0];
+}
+template <int N>
+inline __attribute__((always_inline)) void lane_sums(const nvf* a, float* out) {
+#if JS_VEC_BYTES == 32 && defined(__AVX__)
+    __m256 x[8];
+    for (int i = 0; i < 8; ++i) x[i] = i < N ? static_cast<__m256>(a[i]) : _mm256_setzero_ps();
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, r);
+    for (int i = 0; i < N; ++i) out[i] = t[i];
+#else
+    for (int i = 0; i < N; ++i) out[i] = lane_tree(a[i]);
+#endif
+}
+
+// c + a * b, one rounding where the target has FMAs, whatever the code around it: left to the
+// compiler's contraction, group_scores<2, 1> and <1, 1> rounded one head's score differently (the
+// backward's scores must be the forward's bit for bit).
+inline __attribute__((always_inline)) nvf fma_n(nvf a, nvf b, nvf c) {
+#if defined(__FMA__) && JS_VEC_BYTES == 32
+    return reinterpret_cast<nvf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+#elif defined(__aarch64__)
+    return vfmaq_f32(c, a, b);
+#else
+    return c + a * b;  // no FMA instruction to contract into
+#endif
+}
+inline __attribute__((always_inline)) float fma_1(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return c + a * b;
+#endif
+}
+
+// s[h * ls + j] = q_h . k_j for h < NH query rows (float32, pre-scaled, qd apart) and j < NK key
+// rows kr[j] + off, NH * NK <= 8 accumulators: each key register is loaded once for the NH heads.
+template <class IO, int NH, int NK>
+inline void group_scores(const float* q, int64_t qd, const typename IO::T* const* rows, int64_t off, int64_t d, float* s,
+                         int64_t ls) {
+    static_assert(NH * NK <= 8, "eight accumulators at most");
+    const typename IO::T* kr[NK];
+    for (int j = 0; j < NK; ++j) kr[j] = rows[j] + off;
+    nvf acc[NH * NK];
+    for (int i = 0; i < NH * NK; ++i) acc[i] = nvf{};
+    int64_t e = 0;
+    for (; e + NL <= d; e += NL) {
+        nvf kv[NK];
+        for (int j = 0; j < NK; ++j) kv[j] = IO::ldn(kr[j] + e);
+        for (int h = 0; h < NH; ++h) {
+            nvf qq;
+            std::memcpy(&qq, q + h * qd + e, sizeof qq);
+            for (int j = 0; j < NK; ++j) acc[h * NK + j] = fma_n(qq, kv[j], acc[h * NK + j]);
+        }
+    }
+    float r[NH * NK];
+    lane_sums<NH * NK>(acc, r);
+    for (int h = 0; h < NH; ++h)
+        for (int j = 0; j < NK; ++j) {
+            float tail = 0.f;
+            for (int64_t t = e; t < d; ++t) tail = fma_1(q[h * qd + t], IO::ld(kr[j] + t), tail);
+            s[h * ls + j] = r[h * NK + j] + tail;
+        }
+}
+
+// Rows to prefetch while a loop walks its own: at its row j, rows[j + dist] (when below n), every
+// line of its `bytes`. Direct rows read key rows in a walk the hardware prefetchers start late
+// on (each step's rows, then its value rows, per kv head): a row read from DRAM stalled the
+// products.
+struct Ahead {
+    const void* const* rows;
+    int n, dist;
+    int64_t bytes;
+    void operator()(int j) const {
+        if (j + dist >= n) return;
+        const char* r = static_cast<const char*>(rows[j + dist]);
+        for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(r + e);
+    }
+};
+// Scores of nh query heads (rows qd apart) against n key rows kr[j] + off: s[h * ls + j]. Heads go
+// four at a time, keys as many as eight accumulators take; ahead (if any) prefetches as keys go.
+template <class IO>
+inline void group_scores_all(const float* q, int64_t qd, int nh, const typename IO::T* const* kr, int64_t off, int n,
+                             int64_t d, float* s, int64_t ls, const Ahead* ahead = nullptr) {
+    for (int h0 = 0; h0 < nh; h0 += 4) {
+        const float* qh = q + h0 * qd;
+        float* sh = s + h0 * ls;
+        auto run = [&](auto heads) {
+            constexpr int NH = decltype(heads)::value, NK = 8 / NH;
+            int j = 0;
+            for (; j + NK <= n; j += NK) {
+                if (ahead && h0 == 0)
+                    for (int t = 0; t < NK; ++t) (*ahead)(j + t);
+                group_scores<IO, NH, NK>(qh, qd, kr + j, off, d, sh + j, ls);
+            }
+            for (; j < n; ++j) group_scores<IO, NH, 1>(qh, qd, kr + j, off, d, sh + j, ls);
+        };
+        switch (std::min(4, nh - h0)) {
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            default: run(std::integral_constant<int, 1>{}); break;
+        }
+    }
+}
+
+// Vectors of O group_pv keeps in registers (heads x columns): 4 (8 ymm; 16 q on NEON), 2 on SSE's
+// 16 registers; its heads a pass, PV_HEADS, as many.
+#if JS_VEC_BYTES == 16 && !defined(__ARM_NEON)
+constexpr int PV_VECTORS = 2;
+#else
+constexpr int PV_VECTORS = 4;
+#endif
+constexpr int PV_HEADS = PV_VECTORS;
+
+// O_h += sum_j P[h][j] V_j for h < NH heads (P rows ls apart, O rows dvo apart) over n value rows
+// vr[j] + off: NV vectors of columns of every head at a time, so each value register is loaded once for
+// the heads, in NH x NV (<= PV_VECTORS) vectors of accumulators: independent chains enough to hide
+// the FMAs' latency (one head alone takes 64 columns a pass).
+template <class IO, int NH>
+inline void group_pv(const float* pr, int64_t ls, const typename IO::T* const* vr, int64_t off, int n, int64_t dv,
+                     float* o, int64_t dvo, const Ahead* ahead) {
+    constexpr int NV = PV_VECTORS / NH > 1 ? PV_VECTORS / NH : 1;
+    int64_t c = 0;
+    auto pass = [&](auto vectors) {
+        constexpr int nv = decltype(vectors)::value;
+        vf acc[NH][nv];
+        for (int h = 0; h < NH; ++h)
+            for (int u = 0; u < nv; ++u) acc[h][u] = loadu(o + h * dvo + c + u * W);
+        for (int j = 0; j < n; ++j) {
+            if (ahead && c == 0) (*ahead)(j);
+            vf x[nv];
+            for (int u = 0; u < nv; ++u) x[u] = IO::ld16(vr[j] + off + c + u * W);
+            for (int h = 0; h < NH; ++h) {  // register by register: vf's += was left out of line
+                const nvf pj = splat(pr[h * ls + j]).h[0];
+                for (int u = 0; u < nv; ++u)
+                    for (int i = 0; i < NP; ++i) acc[h][u].h[i] = fma_n(pj, x[u].h[i], acc[h][u].h[i]);
+            }
+        }
+        for (int h = 0; h < NH; ++h)
+            for (int u = 0; u < nv; ++u) storeu(o + h * dvo + c + u * W, acc[h][u]);
+        c += nv * W;
+    };
+    while (c + NV * W <= dv) pass(std::integral_constant<int, NV>{});
+    while (c + W <= dv) pass(std::integral_constant<int, 1>{});
+    for (; c < dv; ++c)
+        for (int h = 0; h < NH; ++h) {
+            float a = o[h * dvo + c];
+            for (int j = 0; j < n; ++j) a += pr[h * ls + j] * IO::ld(vr[j] + off + c);
+            o[h * dvo + c] = a;
+        }
+}
+
+#endif
+
+// Rows of keys kb .. kb + n of sequence b in x (token and block strides tok, blk; head offset off
+// added): dst[i]. One division per call where key_offset takes one per key.
+template <class T>
+inline void key_run(const JsParams& p, int64_t b, int64_t kb, int n, const T* x, int64_t tok, int64_t blk, int64_t off,
+                    const T** dst) {
+    if (!p.block_table) {
+        const T* r = x + (p.cu_k[b] + kb) * tok + off;
+        for (int i = 0; i < n; ++i) dst[i] = r + i * tok;
+        return;
+    }
+    const int64_t j = kb + (p.cache_leftpad ? p.cache_leftpad[b] : 0);
+    const int32_t* table = p.block_table + b * p.bt_stride + j / p.block_size;
+    int64_t in = j % p.block_size;
+    for (int i = 0; i < n; ++table, in = 0) {
+        const T* base = x + *table * blk + off;
+        const int run = static_cast<int>(std::min<int64_t>(n - i, p.block_size - in));
+        for (int t = 0; t < run; ++t) dst[i + t] = base + (in + t) * tok;
+        i += run;
+    }
+}
+
 // Raw scores of n <= 16 (query, key) pairs (rows qp[i], kp[i]): s[i] = q.k, scaled for pairs.
 // The forward's direct rows and the backward of a direct sequence (its `scores`) both call this,
 // so their scores agree bit for bit (a one-hot row of huge logits shows a 1-ulp difference in its
@@ -1242,37 +1432,26 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
         _mm512_mask_storeu_ps(s, lanes16(n), sum16(acc));
     }
 #else
-    // Narrower registers: dot() of four pairs at once (its order of adds per pair, so the same
-    // bits whatever a pair's slot), four independent chains of FMAs where one left the FMA units
-    // waiting on its latency.
+    // Narrower registers: group_scores, whose bits direct_group's scores share. One query row
+    // (OneQ) against its keys as one head; otherwise pair by pair.
     (void)scale;
-    int i = 0;
-    for (; i + 4 <= n; i += 4) {
-        vf acc[4];
-        for (int k = 0; k < 4; ++k) acc[k] = splat(0.f);
-        int64_t e = 0;
-        for (; e + W <= d; e += W) {
-            const vf q0 = OneQ ? loadu(qp[0] + e) : splat(0.f);
-            for (int k = 0; k < 4; ++k) acc[k] += (OneQ ? q0 : loadu(qp[i + k] + e)) * IO::ld16(kp[i + k] + e);
-        }
-        for (int k = 0; k < 4; ++k) {
-            float tail = 0.f;
-            for (int64_t t = e; t < d; ++t) tail += qp[i + k][t] * IO::ld(kp[i + k] + t);
-            s[i + k] = hsum(acc[k]) + tail;
-        }
+    if (OneQ) {
+        group_scores_all<IO>(qp[0], 0, 1, kp, 0, n, d, s, 0);
+        return;
     }
-    for (; i < n; ++i) s[i] = dot<IO>(qp[i], kp[i], d);
+    for (int i = 0; i < n; ++i) group_scores<IO, 1, 1>(qp[i], 0, kp + i, 0, d, s + i, 0);
 #endif
 }
 
+#if JS_AVX512
 // O[dvo] += P[nb] . V[nb keys][dv] for a block of nb <= 16 keys (rows vr[j] + off). Pairs: P in
 // bf16 (zero past nb, nb rounded up to even), V rows interleaved two by two, and each 32-column
 // chunk of O in the column order of the unpacks (direct_unpermute restores it).
 template <class IO>
 inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T* const* vr, int64_t off, int nb,
                       int64_t dv, float* o) {
-#if JS_AVX512
     if constexpr (direct_pairs<IO>) {
+#if JS_BF16_DOT  // (direct_pairs: never taken without it, where bcast_pair is not declared)
         (void)ph;
         for (int64_t c = 0; c < dv; c += 4 * W) {  // 64 columns: two chunks of 32 (low and high pairs)
             const int nc = static_cast<int>(std::min<int64_t>(4 * W, dv - c));
@@ -1293,6 +1472,7 @@ inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T
             for (int i = 0; i < 4; ++i)
                 if (i / 2 * 2 * W < nc) _mm512_storeu_ps(o + c + i * W, acc[i]);
         }
+#endif
     } else {
         (void)pbh;
         for (int64_t c = 0; c < dv; c += 4 * W) {
@@ -1310,28 +1490,6 @@ inline void direct_pv(const float* ph, const uint16_t* pbh, const typename IO::T
                 if (i * W < nc) _mm512_storeu_ps(o + c + i * W, acc[i]);
         }
     }
-#else
-    // Narrower registers: 64 columns of O in registers (8 ymm, 16 q) over the block's keys, where
-    // a load and a store of O per key and vector left decoding bound by L1; the same adds per column.
-    (void)pbh;
-    int64_t c = 0;
-    for (; c + 4 * W <= dv; c += 4 * W) {
-        vf acc[4];
-        for (int i = 0; i < 4; ++i) acc[i] = loadu(o + c + i * W);
-        for (int j = 0; j < nb; ++j) {
-            const vf pj = splat(ph[j]);
-            const typename IO::T* x = vr[j] + off + c;
-            for (int i = 0; i < 4; ++i) acc[i] += pj * IO::ld16(x + i * W);
-        }
-        for (int i = 0; i < 4; ++i) storeu(o + c + i * W, acc[i]);
-    }
-    for (int j = 0; j < nb; ++j) {
-        const typename IO::T* x = vr[j] + off;
-        int64_t e = c;
-        for (; e + W <= dv; e += W) storeu(o + e, loadu(o + e) + splat(ph[j]) * IO::ld16(x + e));
-        for (; e < dv; ++e) o[e] += ph[j] * IO::ld(x + e);
-    }
-#endif
 }
 
 // Pairs: each 32-column chunk of o holds columns 0-3, 8-11, 16-19, 24-27 (unpacklo), then 4-7,
@@ -1350,7 +1508,8 @@ inline void direct_unpermute(float* o, int64_t dvo) {
     }
 }
 
-// A row attended on its own (decode: one query, or a few), all heads at once: no packing, since
+// A row attended on its own (decode: one query, or a few) with AVX-512 (narrower registers take
+// direct_heads below), all heads at once: no packing, since
 // nothing would reuse it; keys go in steps of DIRECT_KEYS with an online softmax per head (per
 // head over a whole sequence, a strided walk ran at a third of the speed). In a step: scores, then
 // P.V, in blocks of 16 keys, each taken head by head (16 scores in one sum16; O loaded and stored
@@ -1476,6 +1635,141 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
                        p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
     }
 }
+#endif
+
+#if !JS_AVX512
+// The largest of s[0 .. n), skipping NaN (as std::max from -inf does): -inf when all are NaN or -inf.
+inline float block_max(const float* s, int n) {
+    vf vm = splat(-INFINITY);
+    int j = 0;
+    for (; j + W <= n; j += W) {
+        const vf x = loadu(s + j);
+        vm = select(x > vm, x, vm);
+    }
+    float bm = hmax(vm);
+    for (; j < n; ++j) bm = std::max(bm, s[j]);
+    return bm;
+}
+
+// Whether direct rows take each kv head as its own work item (direct_heads): where a kv head's keys
+// lie apart from the other heads' (a dense cache, (B, Hkv, S, D)), so that an item reads one stretch
+// of memory. Where a token's heads lie together (packed q/k/v, a paged cache), one item takes every
+// kv head, key block by key block, and so reads each token's row of heads at once.
+inline bool direct_per_kv_head(const JsParams& p) { return p.heads_kv > 1 && p.k_head >= p.k_tok && p.v_head >= p.v_tok; }
+
+// A row attended on its own (decode: one query, or a few) on narrower registers: kv heads
+// [g0, g1) and the query heads that share them, no packing (nothing would reuse it). Keys go in
+// steps of p.direct_keys: their rows (one division a step, not a key), then, a block of keys at a
+// time, each kv head's scores for all its query heads (group_scores: each key row loaded once for
+// the group), the online softmax per head, then P.V the same way (group_pv: each value row loaded
+// once for the group). Its visible keys are one range, so masks are bounds.
+// Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x direct_width), m and l (Hq).
+template <class IO>
+void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g1, float* qv, float* s, float* o,
+                  float* m, float* l) {
+    typedef typename IO::T T;
+    static_assert(!direct_pairs<IO>, "pairs are AVX-512 only");
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    const int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
+    const int64_t h0 = g0 * group, heads = (g1 - g0) * group;  // query heads h0 .. h0 + heads
+    const int64_t dvo = direct_width<IO>(dv);
+    const int64_t row = p.cu_q[b] + r;
+    const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t len_k = key_count(p, b);
+    const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
+    const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
+    typedef typename IO::QO QO;
+    const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + row * p.q_tok;
+    for (int64_t i = 0; i < heads; ++i) {
+        for (int64_t e = 0; e < d; ++e) qv[i * d + e] = QO::ld(q + (h0 + i) * p.q_head + e) * p.scale;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    std::fill(o, o + heads * dvo, 0.f);
+    int64_t lo, hi;
+    key_range(p, b, pos, len_k, &lo, &hi);
+    const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
+    // Keys a block: a whole step for one kv head; 16 for several, so that a token's row of heads is
+    // read at once (O is loaded and stored once per block and head).
+    const int kblock = g1 - g0 == 1 ? DIRECT_KEYS : W;
+    // Row pointers (at kv head g0): this step's K rows, its V rows, the next step's K rows, walked in
+    // that order with prefetches a few KB ahead of the loads (the hardware prefetchers start late on
+    // rows of one head among others: a row read from DRAM stalled the products).
+    const void* rows[3 * DIRECT_KEYS];
+    const T** kr = reinterpret_cast<const T**>(rows);
+    const int64_t span = std::max((g1 - g0 - 1) * p.k_head + d, (g1 - g0 - 1) * p.v_head + dv) * static_cast<int64_t>(sizeof(T));
+    const int dist = static_cast<int>(std::clamp<int64_t>(4096 / std::max<int64_t>(span, 1), 2, 64));
+    if (lo < hi) key_run(p, b, lo, static_cast<int>(std::min<int64_t>(step, hi - lo)), k, p.k_tok, p.k_block, g0 * p.k_head, kr);
+    for (int64_t kb = lo; kb < hi; kb += step) {
+        const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
+        const int np = (n + W - 1) / W * W;  // scores and P padded to whole vectors
+        const int next = static_cast<int>(std::clamp<int64_t>(hi - kb - n, 0, step));
+        const T** vr = kr + n;
+        key_run(p, b, kb, n, v, p.v_tok, p.v_block, g0 * p.v_head, vr);
+        if (next) key_run(p, b, kb + n, next, k, p.k_tok, p.k_block, g0 * p.k_head, vr + n);
+        if (kb == lo)  // later steps' first rows were prefetched by the step before
+            for (int j = 0; j < std::min(dist, n); ++j) Ahead{rows, n, 0, span}(j);
+        for (int j0 = 0; j0 < n; j0 += kblock) {
+            const int nb = std::min(kblock, n - j0);
+            const Ahead ahead_b{rows + j0, 2 * n - j0, dist, span};
+            for (int64_t g = g0; g < g1; ++g)
+                group_scores_all<IO>(qv + (g - g0) * group * d, d, static_cast<int>(group), kr + j0, (g - g0) * p.k_head, nb,
+                                     d, s + (g - g0) * group * DIRECT_KEYS + j0, DIRECT_KEYS, g == g0 ? &ahead_b : nullptr);
+        }
+        for (int64_t i = 0; i < heads; ++i) {
+            const int64_t h = h0 + i;
+            float* sh = s + i * DIRECT_KEYS;
+            if (p.softcap > 0.f)
+                for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
+            if (slopes)
+                for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
+            float bm = block_max(sh, n);
+            if (adds_nothing(bm, sh, n)) {  // every score -inf: exp(-inf - -inf) would be NaN
+                std::fill(sh, sh + np, 0.f);
+                continue;
+            }
+            const float mn = std::max(m[i], bm);
+            const float alpha = std::exp(m[i] - mn);
+            m[i] = mn;
+            std::fill(sh + n, sh + np, -INFINITY);
+            vf sum = splat(0.f);
+            for (int j = 0; j < np; j += W) {
+                const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
+                storeu(sh + j, e);
+                sum += e;
+            }
+            std::fill(sh + n, sh + np, 0.f);  // exp(-inf - mn) is NaN where mn is -inf (a NaN row)
+            l[i] = l[i] * alpha + hsum(sum);
+            if (alpha != 1.f)
+                for (int64_t e = 0; e < dvo; e += W) storeu(o + i * dvo + e, loadu(o + i * dvo + e) * splat(alpha));
+            if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
+        }
+        for (int j0 = 0; j0 < n; j0 += kblock) {
+            const int nb = std::min(kblock, n - j0);
+            const Ahead ahead_v{rows + n + j0, n + next - j0, dist, span};
+            for (int64_t i = 0, nh; i < heads; i += nh) {  // up to PV_HEADS query heads of one group
+                nh = std::min<int64_t>(PV_HEADS, group - i % group);
+                const int64_t off = (i / group) * p.v_head;
+                const float* pr = s + i * DIRECT_KEYS + j0;
+                float* oi = o + i * dvo;
+                const Ahead* ahead = i ? nullptr : &ahead_v;
+                switch (nh) {
+                    case 4: group_pv<IO, 4>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
+                    case 3: group_pv<IO, 3>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
+                    case 2: group_pv<IO, 2>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
+                    default: group_pv<IO, 1>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
+                }
+            }
+        }
+        std::copy(vr + n, vr + n + next, kr);  // the next step's K rows
+    }
+    typename QO::T* out = static_cast<typename QO::T*>(p.out) + row * p.o_tok;
+    for (int64_t i = 0; i < heads; ++i)
+        finish_row<QO>(o + i * dvo, m[i], l[i], sink_of(p, h0 + i), dv, out + (h0 + i) * p.o_head,
+                       p.lse ? p.lse + (h0 + i) * p.lse_head + row * p.lse_tok : nullptr);
+}
+#endif
 
 // Per thread, sized for what its items need: a call of direct rows only (decoding) never
 // allocates the tiled path's buffers.
@@ -1511,11 +1805,18 @@ struct Scratch {
 template <class IO>
 void run_item(const JsParams& p, const Item& it, Scratch& w) {
     typedef typename IO::T T;
-    if (it.h < 0) {  // direct rows, all heads
+    if (it.h < 0) {  // direct rows: all heads (AVX-512), or kv head -h - 1 and its query heads
         w.fit_direct(p.head_dim, p.head_dim_v, p.heads_q);
         for (int r = 0; r < it.rows; ++r)
+#if JS_AVX512
             direct_row<IO>(p, it.b, it.row0 + r, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data(),
                            w.pbh.data());
+#else
+        {
+            const int64_t g0 = -1 - it.h, g1 = direct_per_kv_head(p) ? g0 + 1 : p.heads_kv;
+            direct_heads<IO>(p, it.b, it.row0 + r, g0, g1, w.q.data(), w.s.data(), w.o.data(), w.m.data(), w.dl.data());
+        }
+#endif
         return;
     }
     typedef typename IO::QO QO;
@@ -1646,8 +1947,16 @@ void run_all(const JsParams& p) {
         if (len_q <= p.direct_rows) {
             int64_t lo, hi;
             key_range(p, b, shift, len_k, &lo, &hi);
-            items.push_back(Item{static_cast<int32_t>(b), -1, 0, static_cast<int32_t>(len_q),
-                                 len_q * p.heads_q * (hi - lo + 16)});
+            // Narrower registers: an item per kv head where direct_heads takes them apart (which
+            // also spreads one sequence's decode over threads).
+#if JS_AVX512
+            const int64_t parts = 1;
+#else
+            const int64_t parts = direct_per_kv_head(p) ? p.heads_kv : 1;
+#endif
+            for (int64_t g = 0; g < parts; ++g)
+                items.push_back(Item{static_cast<int32_t>(b), static_cast<int32_t>(-1 - g), 0, static_cast<int32_t>(len_q),
+                                     len_q * (p.heads_q / parts) * (hi - lo + 16)});
             continue;
         }
         const int64_t chunk = chunk_rows(p);

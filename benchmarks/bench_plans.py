@@ -11,6 +11,8 @@ the cores here are shared), best of ``--rounds`` rounds of ``--reps`` calls:
   step's floor: ``torch.index_select`` of the used blocks) and against ``varlen_attention`` per layer.
 - a decode step over a dense left-padded cache as transformers keeps it (``dense_decode``): read in
   place, against the packed path and transformers' "sdpa", one layer and 32 layers.
+- one decode call over a paged cache in fp8 (e4m3fn, e5m2), bf16 and fp32 (``fp8_decode``, B 16,
+  contexts 1,500-2,500, 32/8 heads, D 128), against reading the fp8 cache's used bytes once.
 
 Run: python benchmarks/bench_plans.py [--reps N] [--rounds N] [--threads N]
 """
@@ -176,12 +178,56 @@ def dense_decode(dtype: torch.dtype, reps: int, rounds: int, layers: int = 32) -
     return rows_out
 
 
+def fp8_decode(reps: int, rounds: int) -> list[tuple[str, float, float]]:
+    """Rows of one decode call over a paged cache stored in fp8, bf16 and fp32 (docs/api.md section
+    13): B 16, one query each, contexts 1,500-2,500, Hq 32 / Hkv 8, D 128, block 16, q bf16 (fp32
+    beside the fp32 cache); ratio to the fp8 cache's floor, ``torch.index_select`` of its used
+    blocks' bytes (as the other decode sections measure theirs)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, block, hq, hkv, d = 16, 16, 32, 8, 128
+    contexts = torch.randint(1500, 2501, (batch,), generator=gen).tolist()
+    need = [-(-n // block) for n in contexts]
+    num_blocks = sum(need) + 4
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(batch, max(need), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = ids[at:at + n].to(torch.int32)
+        at += n
+    used_blocks = torch.cat([table[b, :n] for b, n in enumerate(need)]).long()
+    k32 = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    v32 = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    k_scale, v_scale = k32.abs().amax(dim=(0, 1, 3)) / 448, v32.abs().amax() / 448   # per kv head, per tensor
+    fp8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    caches = {name: ((k32 / k_scale.view(-1, 1)).to(dt), (v32 / v_scale).to(dt)) for name, dt in fp8.items()}
+    q = torch.randn(batch, hq, d, generator=gen).bfloat16()
+    cu_q = torch.arange(batch + 1, dtype=torch.int32)
+    kw = dict(block_table=table, seqused_k=torch.tensor(contexts, dtype=torch.int32), causal=True)
+    kb, vb = k32.bfloat16(), v32.bfloat16()
+    k8 = caches["e4m3fn"][0].view(torch.uint8)
+    v8 = caches["e4m3fn"][1].view(torch.uint8)
+    rows = {"fp8 cache: read its used bytes once (floor)": lambda: (k8.index_select(0, used_blocks),
+                                                                    v8.index_select(0, used_blocks))}
+    for name, (k, v) in caches.items():
+        rows[f"fp8 {name} cache, q bf16"] = lambda k=k, v=v: jagged_sdpa.varlen_attention(
+            q, k, v, cu_q, None, 1, max(contexts), k_scale=k_scale, v_scale=v_scale, **kw)
+    rows["bf16 cache, q bf16"] = lambda: jagged_sdpa.varlen_attention(q, kb, vb, cu_q, None, 1, max(contexts), **kw)
+    q32 = q.float()
+    rows["fp32 cache, q fp32"] = lambda: jagged_sdpa.varlen_attention(q32, k32, v32, cu_q, None, 1, max(contexts),
+                                                                      **kw)
+    reps = max(reps // 200, 3)
+    times = {name: best_us(fn, reps, rounds) for name, fn in rows.items()}
+    base, bf16 = times["fp8 cache: read its used bytes once (floor)"], times["bf16 cache, q bf16"]
+    return [(f"{name}" + (f" ({us / bf16:.2f}x the bf16 cache)" if name.startswith("fp8 e") else ""), us, us / base)
+            for name, us in times.items()]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only", default="tiny,paged,dense", help="sections: tiny, paged, dense")
+    parser.add_argument("--only", default="tiny,paged,dense,fp8", help="sections: tiny, paged, dense, fp8")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), process time, best of {args.rounds}")
@@ -200,6 +246,11 @@ def main(argv=None) -> int:
         for dtype in (torch.float32, torch.bfloat16):
             for name, us, ratio in dense_decode(dtype, args.reps, args.rounds):
                 print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
+    if "fp8" in only:
+        print("\n| decode over a paged fp8 / bf16 / fp32 cache (B 16, 1.5-2.5k keys, 32/8 heads, D 128) | us | x floor |"
+              "\n|---|---:|---:|")
+        for name, us, ratio in fp8_decode(args.reps, args.rounds):
+            print(f"| {name} | {us:.0f} | {ratio:.2f}x |")
     return 0
 
 

@@ -264,7 +264,7 @@ def test_the_first_njt_call_prints_no_is_fx_tracing_note():
         "print('OUR CALLS DONE', file=sys.stderr, flush=True)\n"
         "torch.nested.nested_tensor_from_jagged(torch.randn(5, 3), offsets=torch.tensor([0, 2, 5]))\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)

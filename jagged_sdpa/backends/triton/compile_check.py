@@ -25,13 +25,14 @@ from jagged_sdpa.backends.triton import bwd, fwd
 
 DATA_POINTERS = {"Q", "K", "V", "DO", "DQ"}
 OUT_POINTERS = {"Out", "DK", "DV"}  # may be float32 partials (split-k, backward group splits)
-FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks"}
+FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks", "KScale", "VScale"}
 FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
 
 ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_CHUNK=True, HAS_PREFIX=True, HAS_SOFTCAP=True,
-              HAS_ALIBI=True, HAS_DROPOUT=True, HAS_SEQUSED=True, DENSE=False, HAS_LEFTPAD=False, IEEE=False)
+              HAS_ALIBI=True, HAS_DROPOUT=True, HAS_SEQUSED=True, DENSE=False, HAS_LEFTPAD=False, IEEE=False, FP8=0)
 ALL_OFF = dict(GROUP=1, BOTTOM_RIGHT=False, HAS_BAND=False, HAS_CHUNK=False, HAS_PREFIX=False, HAS_SOFTCAP=False,
-               HAS_ALIBI=False, HAS_DROPOUT=False, HAS_SEQUSED=False, DENSE=False, HAS_LEFTPAD=False, IEEE=False)
+               HAS_ALIBI=False, HAS_DROPOUT=False, HAS_SEQUSED=False, DENSE=False, HAS_LEFTPAD=False, IEEE=False,
+               FP8=0)
 
 
 def _dims(d: int, dv: int) -> dict:
@@ -56,6 +57,10 @@ def variants(quick: bool):
     yield ("bwd dk/dv every option, dense cache with leftpad, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "bf16",
            {**ALL_ON, **_dims(128, 128), "DENSE": True, "HAS_LEFTPAD": True, "GROUP_SPLITS": 1, "BLOCK_M": 64,
             "BLOCK_N": 64}, 8, 2)
+    for fp8, name in ((1, "e4m3fn"), (2, "e5m2")):  # an fp8 cache (docs/api.md section 13): K/V bytes
+        yield (f"fwd every option, paged {name} cache, split-k, gqa-packed, bf16 q D128", fwd._attn_fwd, "bf16", "fp32",
+               {**ALL_ON, **_dims(128, 128), **paged_split, "HAS_DROPOUT": False, "FP8": fp8, "BLOCK_M": 16,
+                "BLOCK_N": 64}, 4, 2)
     yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
            {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64, "IEEE": False}, 4, 1)
     if quick:
@@ -82,6 +87,8 @@ def signature(kernel, data: str, out: str, constexprs: dict) -> dict:
         name = param.name
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("K", "V") and constexprs.get("FP8"):
+            sig[name] = "*u8"
         elif name in DATA_POINTERS:
             sig[name] = "*" + data
         elif name in OUT_POINTERS:
@@ -130,6 +137,8 @@ def main(argv=None) -> int:
     failures = 0
     for name, kernel, data, out, constexprs, warps, stages in variants(args.quick):
         jit_fn = kernel if hasattr(kernel, "params") else kernel.fn  # an autotuner wraps it (autotuning on)
+        params = {param.name for param in jit_fn.params}
+        constexprs = {key: value for key, value in constexprs.items() if key in params}  # ALL_ON serves every kernel
         source = ASTSource(jit_fn, signature(jit_fn, data, out, constexprs), constexprs=constexprs)
         try:
             compiled = triton.compile(source, target=target, options={"num_warps": warps, "num_stages": stages})

@@ -74,7 +74,7 @@ def _flags_torch(checks: DeviceChecks) -> Tensor:
     """One boolean per check, from torch ops (any device)."""
     flags = []
     for _, cu, total, max_seqlen, _ in checks.cu:
-        wide = cu.to(torch.int64)  # int32 differences of out-of-range offsets wrap (issue 23)
+        wide = cu.to(torch.int64)  # int32 differences of out-of-range offsets would wrap
         lengths = wide[1:] - wide[:-1]
         ok = (cu[0] == 0) & (cu[-1] == total) & (wide.min() >= 0) & (wide.max() <= total)
         if lengths.numel():

@@ -43,7 +43,7 @@ from jagged_sdpa.spec import AttnSpec, PackedCall
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 FLAGS = ("-O3", "-march={arch}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
-# JAGGED_SDPA_SANITIZE=address,undefined (tests/test_sanitizers.py) builds a separate, instrumented
+# JAGGED_SDPA_SANITIZE=address,undefined (tests/safety/test_sanitizers.py) builds a separate, instrumented
 # library: every out-of-bounds read or undefined behaviour aborts with a report. It only loads into
 # a python started with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 SANITIZE_ENV = "JAGGED_SDPA_SANITIZE"

@@ -26,8 +26,8 @@
 // its exponentials are a 9-instruction polynomial (vexp_bf16) accurate well past that rounding.
 //
 // Key ranges: every row's visible keys come from key_range() alone, clamped to [0, Lk), so no
-// loop reads outside its sequence whatever the window, alignment or lengths (tests/test_sanitizers.py
-// and tests/test_guard_pages.py check every path). Non-finite inputs: a NaN or inf in a score or
+// loop reads outside its sequence whatever the window, alignment or lengths (tests/safety/test_sanitizers.py
+// and tests/safety/test_guard_pages.py check every path). Non-finite inputs: a NaN or inf in a score or
 // value a row sees reaches its out (and lse) as in dense attention; a row that sees no key, or
 // only -inf scores, gives exactly 0 and lse -inf. Keys a row does not see are never read for it
 // alone, but its tile multiplies their values by P = 0 (0 * NaN is NaN, as in dense SDPA).
@@ -62,7 +62,7 @@
 #endif
 // Key blocks are packed with AVX-512 transposes and masked loads, except under AddressSanitizer,
 // which does not see intrinsic loads: there the element-by-element packing reads the same rows,
-// so that a read past one is reported (tests/test_sanitizers.py; the guard-page tests check the
+// so that a read past one is reported (tests/safety/test_sanitizers.py; the guard-page tests check the
 // vector path).
 #if JS_AVX512 && !defined(__SANITIZE_ADDRESS__)
 #define JS_PACK512 1
@@ -381,7 +381,7 @@ typedef FP8<false> E5M2;
 // (f = x log2 e - n, |f| <= 1/2) by a degree-4 minimax polynomial with p(0) = 1, scaled by 2^n
 // with vscalefps: 9 instructions where vexp takes 17, within 7e-6 relative (2.9e-6 the polynomial,
 // the rest x log2 e's rounding at large |x|), 1/300 of bf16's rounding. The exponentials bound
-// bf16 attention on AMX (issue 22); FlashAttention-4 moves part of its own onto a polynomial for
+// bf16 attention on AMX; FlashAttention-4 moves part of its own onto a polynomial for
 // the same reason. exp(0) = 1 exactly (every row's top key); exp(-inf) = 0 (x is clamped to -110,
 // where 2^n underflows to exactly 0); NaN stays NaN (vmaxps returns its second operand, x).
 inline vf vexp_bf16(vf x) {

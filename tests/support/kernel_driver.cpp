@@ -8,7 +8,7 @@
 //           struct, u32 buffer, u64 offset in the buffer.
 // Reply:    i32 the entry point's return code, then per buffer its bytes (same sizes).
 // Both sides are LP64 little-endian (x86-64, aarch64), so the struct's layout is the same.
-#include "../jagged_sdpa/backends/cpu/csrc/attention.cpp"
+#include "../../jagged_sdpa/backends/cpu/csrc/attention.cpp"
 
 #include <cstdio>
 #include <cstdlib>

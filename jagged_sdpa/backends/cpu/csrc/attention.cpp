@@ -1443,6 +1443,33 @@ inline void direct_scores(const DirectQ<IO>* const* qp, const typename IO::T* co
 #endif
 }
 
+// The online softmax of one block of a decode row's scores sh[0, n) (room to np, a whole number of
+// vectors), bm their max: updates the row's running max m and sum l, rescales its O (dvo columns)
+// and turns sh into probabilities, zero past n. False, with sh zeroed, when every score is -inf
+// (exp(-inf - -inf) would be NaN). Both decode-row walks (direct_row, direct_heads) use it.
+template <class IO>
+inline bool softmax_block(float* sh, int n, int np, float bm, float& m, float& l, float* o, int64_t dvo) {
+    if (adds_nothing(bm, sh, n)) {
+        std::fill(sh, sh + np, 0.f);
+        return false;
+    }
+    const float mn = std::max(m, bm);
+    const float alpha = std::exp(m - mn);
+    m = mn;
+    std::fill(sh + n, sh + np, -INFINITY);
+    vf sum = splat(0.f);
+    for (int j = 0; j < np; j += W) {
+        const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
+        storeu(sh + j, e);
+        sum += e;
+    }
+    std::fill(sh + n, sh + np, 0.f);  // exp(-inf - mn) is NaN where mn is -inf (a NaN row)
+    l = l * alpha + hsum(sum);
+    if (alpha != 1.f)
+        for (int64_t e = 0; e < dvo; e += W) storeu(o + e, loadu(o + e) * splat(alpha));
+    return true;
+}
+
 #if JS_AVX512
 // O[dvo] += P[nb] . V[nb keys][dv] for a block of nb <= 16 keys (rows vr[j] + off). Pairs: P in
 // bf16 (zero past nb, nb rounded up to even), V rows interleaved two by two, and each 32-column
@@ -1593,24 +1620,8 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
                 for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
             float bm = -INFINITY;
             for (int j = 0; j < n; ++j) bm = std::max(bm, sh[j]);
-            if (adds_nothing(bm, sh, n)) {  // every score -inf: exp(-inf - -inf) would be NaN
-                std::fill(sh, sh + np, 0.f);
-            } else {
-                const float mn = std::max(m[h], bm);
-                const float alpha = std::exp(m[h] - mn);
-                m[h] = mn;
-                std::fill(sh + n, sh + np, -INFINITY);
-                vf sum = splat(0.f);
-                for (int j = 0; j < np; j += W) {
-                    const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
-                    storeu(sh + j, e);
-                    sum += e;
-                }
-                std::fill(sh + n, sh + np, 0.f);  // exp(-inf - mn) is NaN where mn is -inf (a NaN row)
-                l[h] = l[h] * alpha + hsum(sum);
-                for (int64_t e = 0; e < dvo; e += W) storeu(o + h * dvo + e, loadu(o + h * dvo + e) * splat(alpha));
-                if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
-            }
+            if (softmax_block<IO>(sh, n, np, bm, m[h], l[h], o + h * dvo, dvo) && p.dropout_p > 0.f)
+                apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
 #if JS_BF16_DOT
             if constexpr (pairs)  // P rounded to bf16 for P.V, as the bf16 tiles round it
                 for (int j = 0; j < np; j += 2 * W)
@@ -1724,25 +1735,7 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
                 for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
             if (slopes)
                 for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
-            float bm = block_max(sh, n);
-            if (adds_nothing(bm, sh, n)) {  // every score -inf: exp(-inf - -inf) would be NaN
-                std::fill(sh, sh + np, 0.f);
-                continue;
-            }
-            const float mn = std::max(m[i], bm);
-            const float alpha = std::exp(m[i] - mn);
-            m[i] = mn;
-            std::fill(sh + n, sh + np, -INFINITY);
-            vf sum = splat(0.f);
-            for (int j = 0; j < np; j += W) {
-                const vf e = prob_exp<IO>(loadu(sh + j) - splat(mn));
-                storeu(sh + j, e);
-                sum += e;
-            }
-            std::fill(sh + n, sh + np, 0.f);  // exp(-inf - mn) is NaN where mn is -inf (a NaN row)
-            l[i] = l[i] * alpha + hsum(sum);
-            if (alpha != 1.f)
-                for (int64_t e = 0; e < dvo; e += W) storeu(o + i * dvo + e, loadu(o + i * dvo + e) * splat(alpha));
+            if (!softmax_block<IO>(sh, n, np, block_max(sh, n), m[i], l[i], o + i * dvo, dvo)) continue;
             if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
         }
         for (int j0 = 0; j0 < n; j0 += kblock) {

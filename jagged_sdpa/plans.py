@@ -158,7 +158,7 @@ class Plan:
                                            paged=b.paged and not b.dense_cache, batch=b.size)
         alibi = inputs.validate_alibi(alibi_slopes, q.shape[1], b.size, q.device)
         has_sinks = inputs.validate_sinks(sinks, q.shape[1], q.device)
-        cache_dtype = k.dtype if k.dtype in specs.FP8_DTYPES else None
+        cache_dtype = specs.cache_dtype_of(k)
         inputs.validate_kv_scales(k_scale, v_scale, cache_dtype, k.shape[-2], k.device)
         if cache_dtype is not None and _needs_grad(q, k, v, alibi_slopes, sinks):
             raise ValueError(f"an fp8 KV cache ({cache_dtype}) is read forward only, but this call needs a gradient "

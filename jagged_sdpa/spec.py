@@ -223,6 +223,11 @@ class AttnOutput(NamedTuple):
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def cache_dtype_of(k: Tensor) -> Optional[torch.dtype]:
+    """An fp8 KV cache's dtype (docs/api.md section 13), or None when K/V are in q's dtype."""
+    return k.dtype if k.dtype in FP8_DTYPES else None
+
+
 _FIELD_NAMES = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (AttnSpec, PackedCall)}
 
 
@@ -265,7 +270,7 @@ def build(q: Tensor, k: Tensor, v: Tensor, *, batch: int, block_table: Optional[
         seqused_k=seqused_k is not None,
         dense_cache=dense_cache,
         leftpad=cache_leftpad is not None,
-        cache_dtype=k.dtype if k.dtype in FP8_DTYPES else None,
+        cache_dtype=cache_dtype_of(k),
         **fields,
     )
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from jagged_sdpa.backends import Backend
 from jagged_sdpa.checks import inputs
 from jagged_sdpa.selection import to_backend
@@ -56,7 +58,11 @@ _CACHE: dict = {}
 
 def _cached(build, *args):
     """``build(*args)``, cached by the arguments' types and values (``True`` and ``1`` differ:
-    one is valid where the other is a TypeError). Unhashable arguments are validated each time."""
+    one is valid where the other is a TypeError). Unhashable arguments are validated each time, and
+    so are traced ones: Dynamo would guard the compiled graph on the cache's contents, and the
+    first call after the trace (which fills it) would recompile."""
+    if torch.compiler.is_compiling():
+        return build(*args)
     key = (build, tuple((type(a), a) for a in args))
     try:
         found = _CACHE.get(key)

@@ -18,6 +18,7 @@ accelerator the batch is validated again. ``plan`` builds a Batch of its own ove
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -239,6 +240,30 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
     return Batch(size, cu_q, cu_k, seqused_k, block_table, stats_q.max_seqlen, stats_k.max_seqlen,
                  stats_q.has_empty, stats_k.has_empty, equal, names, stats_q.cu_host, cu_k_host, used, table_host,
                  kv_dense, prefix_lens, prefix_host, dense_cache, cache_leftpad, leftpad_host)
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_table(size: int, device: torch.device) -> Tensor:
+    """A dense cache's block table (row b holds [b]): read, never written, so one per B."""
+    return torch.arange(size, device=device, dtype=torch.int32).view(size, 1)
+
+
+def from_ranges(cu_seqlens_q: Tensor, queries_per_row: int, seqused_k: Tensor, cache_leftpad: Optional[Tensor],
+                used_host, leftpad_host) -> Batch:
+    """The Batch of a dense cache (docs/api.md section 12) whose key ranges were derived on the host
+    from a validity mask of width S: row b's keys are slots [cache_leftpad[b], cache_leftpad[b] +
+    seqused_k[b]), every row has ``queries_per_row`` queries (``cu_seqlens_q`` = b * that). Such
+    ranges are valid by construction, so nothing is read or re-checked here; ``bind`` still checks
+    them against the cache a layer passes (its S). What the transformers mask hook builds, once per
+    forward, where ``build`` would check again what the hook just computed."""
+    size = cu_seqlens_q.shape[0] - 1
+    used = tuple(int(n) for n in used_host)
+    leftpad = None if leftpad_host is None else tuple(int(p) for p in leftpad_host)
+    cu_q_host = tuple(range(0, (size + 1) * queries_per_row, max(queries_per_row, 1)))[:size + 1]
+    return Batch(size, cu_seqlens_q, None, seqused_k, _dense_table(size, cu_seqlens_q.device), queries_per_row,
+                 max(used, default=0), queries_per_row == 0 and size > 0, not all(used), False, VARLEN_NAMES,
+                 cu_q_host, None, used, [[b] for b in range(size)], dense_cache=True, cache_leftpad=cache_leftpad,
+                 leftpad_host=leftpad)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -301,6 +301,18 @@ def plan(cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], max_seqlen_q: Opt
                                  prefix_lens=prefix_lens, cache_leftpad=cache_leftpad), options)
 
 
+def over_ranges(cu_seqlens_q: Tensor, queries_per_row: int, seqused_k: Tensor, cache_leftpad: Optional[Tensor],
+                used_host, leftpad_host, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                softcap=0.0, chunk_size=None) -> Plan:
+    """``plan`` over a dense cache whose key ranges the caller derived on the host from a validity
+    mask (``batch.from_ranges``: valid by construction, not checked again), over the caller's
+    tensors: the transformers integration's plan of one forward, where ``plan`` would copy and
+    re-check what its mask hook has just computed."""
+    options = opts.varlen(dropout_p, softmax_scale, causal, window_size, softcap, False, None, chunk_size)
+    return Plan(batches.from_ranges(cu_seqlens_q, queries_per_row, seqused_k, cache_leftpad, used_host, leftpad_host),
+                options)
+
+
 def for_call(b: batches.Batch, options: opts.Options, refusal: Optional[str] = None,
              layout_notes: tuple = (), inputs_checked: bool = False) -> Plan:
     """The plan of a ``varlen_attention``/``sdpa`` call over batch ``b``: kept on the batch, so a

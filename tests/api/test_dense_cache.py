@@ -272,6 +272,38 @@ def test_plan_over_layers_and_update():
         p.update(cu_q, None, 1, S, seqused_k=used)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ranges_batch_equals_the_validated_one(seed):
+    """``plans.over_ranges`` (the transformers hook's plan: ranges derived on the host from a
+    validity mask, not checked again) holds the same batch facts as ``plan`` over the same tensors,
+    and runs the same numbers."""
+    from jagged_sdpa import batch as batches, plans
+
+    g = torch.Generator().manual_seed(seed)
+    B, S, Q = 5, 24, 1 + seed % 2
+    starts = torch.randint(0, S, (B,), generator=g, dtype=torch.int32)
+    used = torch.minimum(torch.randint(0, S + 1, (B,), generator=g, dtype=torch.int32), S - starts)
+    starts[0], used[0] = S - 3, 3  # row 0 ends at the cache's last slot
+    if seed == 0:
+        used[1] = 0  # an empty row
+    cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32)
+    mine = plans.over_ranges(cu_q, Q, used, starts, used.numpy(), starts.numpy(), causal=True)
+    theirs = jagged_sdpa.plan(cu_q, None, Q, int(used.max()), seqused_k=used, cache_leftpad=starts, causal=True)
+    a, b = mine._batch, theirs._batch
+    for name in ("size", "max_seqlen_q", "max_seqlen_k", "has_empty_q", "has_empty_k", "equal_lengths", "names",
+                 "cu_q_host", "cu_k_host", "seqused_host", "table_host", "kv_dense", "dense_cache", "leftpad_host",
+                 "lengths_known", "paged"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("cu_seqlens_q", "seqused_k", "block_table", "cache_leftpad"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    k = torch.randn(B, 2, S, 16, generator=g).transpose(1, 2)
+    v = torch.randn(B, 2, S, 16, generator=g).transpose(1, 2)
+    q = torch.randn(B * Q, 4, 16, generator=g)
+    assert torch.equal(mine.run(q, k, v), theirs.run(q, k, v))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[0\] \+ seqused_k\[0\] = 21 \+ 3 exceeds the cache length S = 23"):
+        mine.run(q, k[:, :S - 1], v[:, :S - 1])  # ``bind`` still checks the ranges against a layer's cache
+
+
 def test_plan_run_refuses_a_range_past_the_cache():
     cu_q = torch.arange(3, dtype=torch.int32)
     p = jagged_sdpa.plan(cu_q, None, 1, 64, seqused_k=torch.tensor([4, 8], dtype=torch.int32),

@@ -16,6 +16,7 @@ import logging
 import torch
 
 import jagged_sdpa
+from jagged_sdpa import plans
 from jagged_sdpa.api import varlen_attention
 
 from .packing import packed_from_position_ids
@@ -130,7 +131,9 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             # (docs/api.md section 12), no gather of K/V and no scatter of the output
             plan = info.plan(("in place",) + key_of_options, lambda: jagged_sdpa.plan(
                 info.cu_seqlens_full, None, Q, info.max_seqlen_k, seqused_k=info.seqused_k,
-                cache_leftpad=info.cache_leftpad, prefix_lens=prefix_lens, **options))
+                cache_leftpad=info.cache_leftpad, prefix_lens=prefix_lens, **options) if prefix_lens is not None
+                else plans.over_ranges(info.cu_seqlens_full, Q, info.seqused_k, info.cache_leftpad, info.lens_k,
+                                       info.first_k, **options))
             out = plan.run(query.transpose(1, 2).reshape(B * Q, Hq, D), key.transpose(1, 2), value.transpose(1, 2),
                            sinks=sinks)
             return out.view(B, Q, Hq, Dv), None

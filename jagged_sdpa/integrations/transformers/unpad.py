@@ -47,6 +47,7 @@ class Unpad:
     # query row is real (``queries_full``), with ``cu_seqlens_full`` over all B * Q query rows.
     seqused_k: torch.Tensor | None = None
     cache_leftpad: torch.Tensor | None = None
+    first_k: np.ndarray | None = None  # cache_leftpad's values, on the host
     queries_full: bool = False
     cu_seqlens_full: torch.Tensor | None = None
     # Every row's padded query rows come first and its real queries are all its keys (a left-padded
@@ -163,6 +164,7 @@ def unpad_from_validity(query_valid: torch.Tensor, key_valid: torch.Tensor, chec
         checks=checked,
         seqused_k=_int32(lens_k, device),
         cache_leftpad=_int32(first, device) if K > 0 and not holes else None,
+        first_k=first if K > 0 and not holes else None,
         queries_full=queries_full and not holes,
         queries_left_padded=left_padded and not holes,
         cu_seqlens_full=_row_starts(B, Q, device),

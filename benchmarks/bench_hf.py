@@ -14,7 +14,9 @@ contenders alike:
             peak RSS, "jagged" against "sdpa" (eager's tokens are the reference; --time-eager times it);
             --dtype bfloat16 runs the models in bf16 (tokens checked against sdpa's).
   static    transformers' fast-generation recipe (static cache, model.forward compiled fullgraph),
-            "jagged" against "sdpa" after a warm-up call; tokens checked equal.
+            "jagged" against "sdpa" after a warm-up call; tokens checked equal. Each contender runs in
+            a process of its own (alternating), as a server runs one model; --static-in-one-process
+            compiles both in one (they then share Dynamo's cache of the one forward both classes run).
   cb        continuous batching (model.generate_batch, paged cache, chunked prefill): transformers'
             "sdpa" against jagged attention in the "sdpa" entry (jt.enable_continuous_batching());
             --cb-prompts prompts of evenly spread lengths --cb-min-len..--cb-max-len (shuffled), greedy;
@@ -37,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -110,6 +114,9 @@ def main() -> None:
     parser.add_argument("--cb-rounds", type=int, default=3)
     parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
     parser.add_argument("--cb-page-size", type=int, default=64)
+    parser.add_argument("--static-process", default=None, help=argparse.SUPPRESS)  # one contender of "static"
+    parser.add_argument("--static-in-one-process", action="store_true",
+                        help="static: compile both contenders in this process (shared Dynamo caches)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     known = {"train", "generate", "static", "cb"}
@@ -145,7 +152,12 @@ def main() -> None:
     if "generate" in sections:
         generation(args, models, name, torch.Generator().manual_seed(args.seed + 2))
     if "static" in sections:
-        static_compiled(args, models, name, torch.Generator().manual_seed(args.seed + 2))
+        if args.static_process is not None:
+            static_compiled(args, models, name, torch.Generator().manual_seed(args.seed + 2), [args.static_process])
+        elif args.static_in_one_process:
+            static_compiled(args, models, name, torch.Generator().manual_seed(args.seed + 2), ["sdpa", name])
+        else:
+            static_in_processes(args, name)
 
 
 def training(args, models, name, gen: torch.Generator) -> None:
@@ -255,10 +267,38 @@ def generation(args, models, name, gen: torch.Generator) -> None:
               f"{100 * agree[label]:>13.0f}%")
 
 
-def static_compiled(args, models, name, gen: torch.Generator) -> None:
+def static_in_processes(args, name) -> None:
+    """The "static" section with each contender compiled in a process of its own, as a server
+    runs one model: rounds alternate the contenders' processes (each warms up, then times
+    ``--gen-rounds`` calls), tokens checked equal. Two models of one class compiled in one process
+    share Dynamo's cache for their ``forward`` (every call checks the other's guards too):
+    ``--static-in-one-process`` measures that instead."""
+    rounds = 2
+    argv = [a for a in sys.argv[1:] if a != "--static-in-one-process"]
+    results: dict = {"sdpa": [], name: []}
+    for _ in range(rounds):
+        for impl in results:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--sections", "static",
+                                   "--static-process", impl], capture_output=True, text=True, timeout=1800)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("STATIC ")]
+            if done.returncode or not lines:
+                raise SystemExit(f"static {impl}: the contender's process failed\n{done.stdout}\n{done.stderr}")
+            results[impl].append(json.loads(lines[-1][len("STATIC "):]))
+    tokens = {impl: runs[0]["tokens"] for impl, runs in results.items()}
+    if tokens[name] != tokens["sdpa"]:
+        raise SystemExit(f"{name}: generated tokens differ from sdpa's under the compiled static recipe")
+    times = {impl: statistics.median(t for run in runs for t in run["times"]) for impl, runs in results.items()}
+    print(f"\nstatic cache, model.forward compiled (fullgraph), each contender in its own process, {rounds} "
+          f"alternating processes x {args.gen_rounds} timed calls after the warm-up (medians); tokens equal")
+    for impl, g in times.items():
+        print(f"{impl:<10} {1e3 * g:>11.1f} ms {args.batch * args.new_tokens / g:>10,.0f} new tokens/s "
+              f"{times['sdpa'] / g:>7.2f}x")
+
+
+def static_compiled(args, models, name, gen: torch.Generator, impls) -> None:
     """transformers' fast-generation recipe: a static cache and ``model.forward`` compiled with
-    ``fullgraph=True``; "jagged" against "sdpa" under the same recipe, timed after a warm-up call
-    (which compiles), tokens checked equal."""
+    ``fullgraph=True``; ``impls`` (one, in a contender's process, or both) timed after a warm-up
+    call (which compiles), tokens checked equal."""
     dtype = getattr(torch, args.dtype)
     p_lengths = ragged_lengths(args.batch, args.prompt_max_len, gen)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in p_lengths]
@@ -266,7 +306,7 @@ def static_compiled(args, models, name, gen: torch.Generator) -> None:
     print(f"\nstatic cache, model.forward compiled (fullgraph): {args.batch} prompts of {min(p_lengths)}-"
           f"{max(p_lengths)} tokens, left-padded, {args.new_tokens} new tokens each, greedy, {args.dtype}")
     compiled = {}
-    for impl in ("sdpa", name):
+    for impl in impls:
         model = copy.deepcopy(models[impl]).eval().to(dtype)
         model.forward = torch.compile(model.forward, fullgraph=True)
         compiled[impl] = model
@@ -278,12 +318,15 @@ def static_compiled(args, models, name, gen: torch.Generator) -> None:
 
     for _ in range(2):  # warm-up: compiles the prefill and decode graphs (the second call: a fresh cache's)
         tokens = {impl: generate(impl) for impl in compiled}
-    if not torch.equal(tokens[name], tokens["sdpa"]):
-        raise SystemExit(f"{name}: generated tokens differ from sdpa's under the compiled static recipe")
     times = {impl: [] for impl in compiled}
     for _ in range(args.gen_rounds):
         for impl in compiled:
             times[impl].append(timed(lambda: generate(impl)))
+    if len(impls) == 1:  # a contender's process (``static_in_processes``)
+        print("STATIC " + json.dumps({"tokens": tokens[impls[0]].tolist(), "times": times[impls[0]]}))
+        return
+    if not torch.equal(tokens[name], tokens["sdpa"]):
+        raise SystemExit(f"{name}: generated tokens differ from sdpa's under the compiled static recipe")
     base = statistics.median(times["sdpa"])
     print(f"medians of {args.gen_rounds} interleaved rounds after the warm-up; tokens equal")
     for impl in compiled:

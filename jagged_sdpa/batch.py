@@ -76,6 +76,8 @@ class Batch:
     leftpad_host: Optional[tuple] = None
     _bound: set = field(default_factory=set, repr=False)
     plans: dict = field(default_factory=dict, repr=False)   # Options -> the Plan of calls over this batch
+    # the operator's calls over this batch, by kind: (call, its backend's forward_runner) (ops._attention)
+    runners: dict = field(default_factory=dict, repr=False)
 
     @property
     def lengths_known(self) -> bool:

@@ -97,19 +97,31 @@ def split_grads(alibi_grad: bool, sinks_grad: bool, grads) -> tuple:
 # the call of an operator run: its batch validated (``batch.cached``: once for the same tensors)
 
 
+def _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, parsed: dict, max_q, max_k, prefix_lens,
+              cache_leftpad) -> batches.Batch:
+    """The operator call's batch, its contents checked: read on the CPU (found again when the
+    wrapper, or the previous layer's call, read the same tensors), else queued as device-side
+    asserts; bound to this call's q length and cache."""
+    kv_dense = parsed["kv_dense"]
+    b = batches.cached(cu_seqlens_q, None if kv_dense else cu_seqlens_k, int(max_q), int(max_k),
+                       block_table=block_table, seqused_k=seqused_k,
+                       read=layout.host_read_needed(q.device, int(max_q), int(max_k)),
+                       names=batches.VARLEN_NAMES if parsed["entry"] == "varlen" else batches.SDPA_NAMES,
+                       kv_dense=kv_dense, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
+    b.bind(q.shape[0], k)
+    return b
+
+
 def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
-             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None) -> PackedCall:
-    """The call the operator runs, its contents checked: read on the CPU (found again when the
-    wrapper read the same tensors), else queued as device-side asserts."""
+             max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None,
+             b: Optional[batches.Batch] = None) -> PackedCall:
+    """The call the operator runs, over its checked batch (``_batch_of``, unless given)."""
     call = _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
                     max_q, max_k, prefix_lens, sinks, cache_leftpad, k_scale, v_scale)
     spec = call.spec
-    b = batches.cached(cu_seqlens_q, None if spec.kv_dense else cu_seqlens_k, int(max_q), int(max_k),
-                       block_table=block_table, seqused_k=seqused_k,
-                       read=layout.host_read_needed(q.device, int(max_q), int(max_k)),
-                       names=batches.VARLEN_NAMES if spec.entry == "varlen" else batches.SDPA_NAMES,
-                       kv_dense=spec.kv_dense, prefix_lens=prefix_lens, cache_leftpad=cache_leftpad)
-    b.bind(q.shape[0], k)
+    if b is None:
+        b = _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, _parse_options(options), max_q, max_k,
+                      prefix_lens, cache_leftpad)
     # The kernels read the batch's metadata: copies of what was read and checked on the host, else
     # the caller's tensors (checked on the device).
     own = dict(cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k if spec.kv_dense else b.cu_seqlens_k,
@@ -177,9 +189,32 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alib
                options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None,
                v_scale=None):
     impl = _impl_of(backend)  # a refused call is refused before its contents are read
-    return _forward(impl, _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-                                      dropout_key, options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks,
-                                      cache_leftpad, k_scale, v_scale))
+    parsed = _parse_options(options)
+    b = _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, parsed, max_seqlen_q, max_seqlen_k,
+                  prefix_lens, cache_leftpad)
+    # The layers of a compiled model call the operator over one batch with tensors of one kind: the
+    # first builds the call and its backend's ``forward_runner`` (kept on the batch, as a plan keeps
+    # its kinds), the others swap in their q, k, v, sinks and dropout key.
+    kind = (backend, options, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(),
+            v.dtype, alibi_slopes is None, sinks is None, k_scale is None, v_scale is None)
+    hit = b.runners.get(kind)
+    if hit is None:
+        call = _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,
+                        options, max_seqlen_q, max_seqlen_k, prefix_lens, sinks, cache_leftpad, k_scale, v_scale, b)
+        runner = None if parsed["needs_grad"] else impl.forward_runner(call)
+        if runner is None:
+            return _forward(impl, call)
+        if len(b.runners) >= 32:
+            b.runners.clear()
+        # kept without the layer's tensors: a batch found again must not hold a finished model's cache alive
+        hit = b.runners[kind] = (call.replace(q=None, k=None, v=None, sinks=None, dropout_key=None), runner)
+    template, runner = hit
+    call = template.replace(q=q, k=k, v=v, sinks=sinks, dropout_key=dropout_key)
+    result = runner(call)
+    lse = result.lse
+    if lse is None:
+        lse = torch.empty(call.spec.heads_q, _lse_rows(call.spec), dtype=torch.float32, device=q.device)
+    return result.out, lse, list(result.state or ())
 
 
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key,

@@ -176,3 +176,28 @@ def test_flop_count_without_readable_offsets_is_an_upper_bound():
     assert ops._pairs(q, cu, cu, None, 9) == 17 * 9
     exact = ops._pairs(torch.empty(17, 4, 16), cu_of(LENGTHS_Q), cu_of(LENGTHS_K), None, 9)
     assert exact == sum(a * b for a, b in zip(LENGTHS_Q, LENGTHS_K)) < 17 * 9
+
+
+def test_operator_calls_of_one_batch_reuse_the_first_layers_runner(operator_runs):
+    """A compiled model's layers call the operator over one batch: the first call of a kind builds
+    the call and its runner (kept on the batch), the others swap in their own q, k, v and sinks;
+    each layer's numbers equal the direct path's, and the batch keeps no layer's tensors alive."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(4)
+    cu_q, cu_k = cu_of(LENGTHS_Q), cu_of(LENGTHS_K)
+    layers = [(packed(LENGTHS_Q, 4, 16, gen=gen), packed(LENGTHS_K, 2, 16, gen=gen), packed(LENGTHS_K, 2, 16, gen=gen),
+               torch.randn(4, generator=gen)) for _ in range(3)]
+    direct = [jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 9, 9, causal=True, sinks=s) for q, k, v, s in layers]
+    calls_before = operator_runs["n"]
+    with _SeenOps():
+        through_op = [jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 9, 9, causal=True, sinks=s)
+                      for q, k, v, s in layers]
+    assert operator_runs["n"] == calls_before + 1  # one call built, two runs of its runner
+    for a, b in zip(direct, through_op, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first_k = weakref.ref(layers[0][1])
+    del layers, through_op, direct
+    gc.collect()
+    assert first_k() is None

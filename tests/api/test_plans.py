@@ -467,3 +467,31 @@ def test_a_change_that_bumps_no_version_never_reaches_a_kernel_unchecked():
     with _Passthrough():         # the operator path too
         _same(jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True), want)
     _same(jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, causal=True), want)
+
+
+def test_a_plan_run_from_several_threads_gives_each_its_own_numbers():
+    """Threads sharing a plan (a server's workers, or calls found again over one offsets tensor)
+    each get their own call's numbers: the kernel runs with the GIL released, so no run may leave
+    its tensors' pointers where another thread's kernel reads them."""
+    import threading
+
+    gen = torch.Generator().manual_seed(0)
+    B, L, H, D = 4, 256, 4, 64
+    cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32)
+    p = jagged_sdpa.plan(cu, cu, L, L, causal=True)
+    inputs = [tuple(torch.randn(B * L, H, D, generator=gen) for _ in range(3)) for _ in range(2)]
+    with torch.no_grad():
+        expected = [p.run(*x) for x in inputs]
+        wrong = []
+
+        def worker(i):
+            with torch.no_grad():
+                wrong.extend(n for n in range(20) if not torch.equal(p.run(*inputs[i]), expected[i]))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert not wrong

@@ -424,7 +424,9 @@ class ForwardRunner:
         """(out, lse) of ``call``."""
         out = torch.empty(self._shape_out, dtype=self._dtype)
         lse = torch.empty(self._shape_lse, dtype=torch.float32)
-        params = self._params
+        # A copy per call: ctypes releases the GIL while the kernel runs, and another thread's run of
+        # the same plan (or operator batch) would otherwise rewrite the pointers this kernel reads.
+        params = _Params.from_buffer_copy(self._params)
         params.q, params.k, params.v = call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr()
         params.out, params.lse = out.data_ptr(), lse.data_ptr()
         if self._options:

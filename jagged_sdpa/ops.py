@@ -7,13 +7,13 @@ compiles without graph breaks, and the profiler shows them by name. The public f
 plans (``plans.py``) check shapes and options, build the tensor-free ``AttnSpec``, select a backend
 (at trace time under compile) and call ``run``. What needs tensor *data* of a traced call (reading
 cu_seqlens on the host, the device-side checks) happens inside the operator, when it runs
-(``_call_of``, through ``batch.cached``: found again, not redone, for tensors an eager wrapper
-validated).
+(``_batch_of``, through ``batch.cached``: found again, not redone, for tensors an eager wrapper
+or the previous layer's call validated).
 
 The operator's arguments are the call's tensors, the chosen backend's name, the options that
 cannot be read off the tensors (one ``options`` string, a constant in a compiled graph) and the
 two max lengths (``SymInt``: under dynamic shapes they stay symbolic). The spec is rebuilt from
-them. A call nothing can observe skips the dispatcher and runs the same implementations directly
+them (``spec.for_operator``). A call nothing can observe skips the dispatcher and runs the same implementations directly
 (``unobserved``).
 
 A backend's ``state`` (what its backward needs beyond q/k/v/out/lse, e.g. a CUDA kernel's RNG
@@ -22,8 +22,6 @@ state) crosses the operator as a list of tensors.
 
 from __future__ import annotations
 
-import ast
-import functools
 import inspect
 from typing import Optional
 
@@ -52,38 +50,6 @@ _LIB.define(f"attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, 
             f"Tensor[] state, {_CALL_ARGS}) -> Tensor[]")
 _LIB.define("paged_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor seqused_k, "
             "Tensor k_new, Tensor v_new, Tensor cu_seqlens_new, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")
-
-# The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
-_OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
-                  "window", "softcap", "alibi_grad", "dropout_p", "scale", "needs_grad", "return_lse",
-                  "equal_lengths", "chunk_size", "sinks_grad", "dense_cache")
-
-
-def options_of(spec: AttnSpec) -> str:
-    """The ``options`` argument for ``spec``: a Python literal (floats round-trip exactly)."""
-    return repr(tuple(getattr(spec, f) for f in _OPTION_FIELDS))
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_options(options: str) -> dict:
-    return dict(zip(_OPTION_FIELDS, ast.literal_eval(options)))
-
-
-def spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
-                   prefix_lens=None, sinks=None, cache_leftpad=None) -> AttnSpec:
-    """The spec of an operator call, from its tensors' metadata and ``options``."""
-    parsed = _parse_options(options)
-    return specs.build(
-        q, k, v, batch=cu_seqlens_q.shape[0] - 1, block_table=block_table, seqused_k=seqused_k,
-        dense_cache=parsed["dense_cache"], cache_leftpad=cache_leftpad,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
-        prefix=prefix_lens is not None,
-        sinks=sinks is not None,
-        **{f: x for f, x in parsed.items() if f != "dense_cache"},
-    )
-
 
 def split_grads(alibi_grad: bool, sinks_grad: bool, grads) -> tuple:
     """A backward's (dq, dk, dv[, dslopes][, dsinks]) as (dq, dk, dv, dslopes or None, dsinks or None):
@@ -120,8 +86,8 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
                     max_q, max_k, prefix_lens, sinks, cache_leftpad, k_scale, v_scale)
     spec = call.spec
     if b is None:
-        b = _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, _parse_options(options), max_q, max_k,
-                      prefix_lens, cache_leftpad)
+        b = _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, specs.parse_options(options), max_q,
+                      max_k, prefix_lens, cache_leftpad)
     # The kernels read the batch's metadata: copies of what was read and checked on the host, else
     # the caller's tensors (checked on the device).
     own = dict(cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k if spec.kv_dense else b.cu_seqlens_k,
@@ -136,7 +102,7 @@ def _call_of(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_
 def _rebuilt(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, dropout_key, options,
              max_q, max_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None) -> PackedCall:
     """The call from the operator's arguments alone (contents not checked)."""
-    spec = spec_from_args(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
+    spec = specs.for_operator(q, k, v, cu_seqlens_q, seqused_k, block_table, alibi_slopes, options, max_q, max_k,
                           prefix_lens, sinks, cache_leftpad)
     return PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, spec, alibi_slopes, seqused_k, block_table,
                       dropout_key=dropout_key, prefix_lens=prefix_lens, sinks=sinks, cache_leftpad=cache_leftpad,
@@ -189,7 +155,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alib
                options, max_seqlen_q, max_seqlen_k, prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None,
                v_scale=None):
     impl = _impl_of(backend)  # a refused call is refused before its contents are read
-    parsed = _parse_options(options)
+    parsed = specs.parse_options(options)
     b = _batch_of(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, parsed, max_seqlen_q, max_seqlen_k,
                   prefix_lens, cache_leftpad)
     # The layers of a compiled model call the operator over one batch with tensors of one kind: the
@@ -250,7 +216,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, state, cu_seqlens_q, c
                              block_table, alibi_slopes, dropout_key, backend, options, max_seqlen_q, max_seqlen_k,
                              prefix_lens=None, sinks=None, cache_leftpad=None, k_scale=None, v_scale=None):
     grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
-    parsed = _parse_options(options)
+    parsed = specs.parse_options(options)
     if parsed["alibi_grad"]:
         grads.append(torch.empty_like(alibi_slopes))
     if parsed["sinks_grad"]:
@@ -285,7 +251,7 @@ def _backward(ctx, grad_out, _grad_lse, _grad_state):
         grad_out = torch.zeros_like(out)
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     grads = torch.ops.jagged_sdpa.attention_backward(grad_out, q, k, v, out, lse, state, **args, **ctx.scalars)
-    parsed = _parse_options(ctx.scalars["options"])
+    parsed = specs.parse_options(ctx.scalars["options"])
     dq, dk, dv, dslopes, dsinks = split_grads(parsed["alibi_grad"], parsed["sinks_grad"], grads)
     by_name = {"q": dq, "k": dk, "v": dv, "alibi_slopes": dslopes, "sinks": dsinks}
     return tuple(by_name.get(name) for name in _ARG_NAMES)[:len(ctx.needs_input_grad)]
@@ -389,8 +355,8 @@ def run(backend: Optional[Backend], call: PackedCall, runner=None) -> AttnOutput
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k,
             None if spec.dense_cache else call.block_table,
             call.alibi_slopes, call.dropout_key, _REFUSED + call.refusal if call.refusal else backend.value,
-            options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks, call.cache_leftpad,
-            call.k_scale, call.v_scale)
+            specs.options_of(spec), spec.max_seqlen_q, spec.max_seqlen_k, call.prefix_lens, call.sinks,
+            call.cache_leftpad, call.k_scale, call.v_scale)
     if spec.needs_grad or compiling:
         out, lse, _ = torch.ops.jagged_sdpa.attention(*args)
     else:  # nothing to record: skip the autograd layer's Python wrapper (~10 us a call)

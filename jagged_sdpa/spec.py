@@ -1,8 +1,9 @@
 """The data that flows from the public call to a backend: ``AttnSpec``, ``PackedCall``, ``AttnOutput``.
 
 ``AttnSpec`` is frozen, hashable and tensor-free: selection, ``explain`` and the capability tests
-work on it alone. ``build`` (an operator's call) and ``for_layer`` (a plan's) are the one place a
-spec is made, with the normalisations that make options which provably change nothing disappear.
+work on it alone. ``build`` is the one place a spec is made: ``for_layer`` (a plan's call, with the
+normalisations that make options which provably change nothing disappear) and ``for_operator``
+(the same spec rebuilt where the operator runs, from ``options_of``'s string) call it.
 This module imports no backend.
 
 Shape legend: B batch, Hq/Hkv query/kv heads, D/Dv head dims, total_q/total_k packed token counts,
@@ -11,6 +12,7 @@ max_seqlen_q/_k longest sequence, num_blocks/block_size the paged KV cache geome
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -343,4 +345,43 @@ def for_layer(b, o, q: Tensor, k: Tensor, v: Tensor, alibi: Optional[str], alibi
         prefix=b.prefix_matters and (o.causal or window != (-1, -1) or chunk is not None),
         sinks=sinks,
         sinks_grad=sinks and sinks_grad,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the operator's spec: its tensors' metadata and an ``options`` string (``ops``)
+
+# The AttnSpec fields an ``options`` string carries: everything not read off the tensors.
+_OPTION_FIELDS = ("entry", "has_empty_q", "has_empty_k", "lengths_known", "kv_dense", "causal", "alignment",
+                  "window", "softcap", "alibi_grad", "dropout_p", "scale", "needs_grad", "return_lse",
+                  "equal_lengths", "chunk_size", "sinks_grad", "dense_cache")
+
+
+def options_of(spec: AttnSpec) -> str:
+    """The operator's ``options`` argument for ``spec``: a Python literal (floats round-trip exactly),
+    a constant in a compiled graph."""
+    return repr(tuple(getattr(spec, f) for f in _OPTION_FIELDS))
+
+
+@functools.lru_cache(maxsize=256)
+def parse_options(options: str) -> dict:
+    return dict(zip(_OPTION_FIELDS, ast.literal_eval(options)))
+
+
+def for_operator(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, seqused_k: Optional[Tensor],
+                 block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], options: str, max_q, max_k,
+                 prefix_lens: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                 cache_leftpad: Optional[Tensor] = None) -> AttnSpec:
+    """The spec of an operator call, from its tensors' metadata and ``options`` (``options_of``):
+    the spec ``for_layer`` built when the call was made, rebuilt where the operator runs."""
+    parsed = parse_options(options)
+    return build(
+        q, k, v, batch=cu_seqlens_q.shape[0] - 1, block_table=block_table, seqused_k=seqused_k,
+        dense_cache=parsed["dense_cache"], cache_leftpad=cache_leftpad,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        alibi=None if alibi_slopes is None else ("per_head" if alibi_slopes.dim() == 1 else "per_batch_head"),
+        prefix=prefix_lens is not None,
+        sinks=sinks is not None,
+        **{f: x for f, x in parsed.items() if f != "dense_cache"},
     )

@@ -24,7 +24,7 @@ from support.reference import attention_reference
 from support.tolerances import assert_close_lse, assert_close_packed
 
 import jagged_sdpa
-from jagged_sdpa import ops
+from jagged_sdpa import ops, spec as specs
 from support.described_call import prepare_varlen
 
 
@@ -235,7 +235,7 @@ def _op_args(options, backend, grad=True):
     keep = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "return_lse")
     call, _, _ = prepare_varlen(*args, **{name: kw[name] for name in keep if name in kw})
     return (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
-            call.alibi_slopes, call.dropout_key, backend, ops.options_of(call.spec), call.spec.max_seqlen_q,
+            call.alibi_slopes, call.dropout_key, backend, specs.options_of(call.spec), call.spec.max_seqlen_q,
             call.spec.max_seqlen_k)
 
 

@@ -29,7 +29,7 @@ from support.reference import attention_reference
 from support.tolerances import assert_close_lse, assert_close_packed
 
 import jagged_sdpa
-from jagged_sdpa import Backend, NoBackendError, batch as batches, ops
+from jagged_sdpa import Backend, NoBackendError, batch as batches, ops, spec as specs
 from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.backends import math as math_backend
 from jagged_sdpa.backends.cpu import native
@@ -608,7 +608,7 @@ def test_opcheck_with_sinks_chunk_and_prefix(backend):
     call, prepared = p._call(q, k, v, None, sinks)
     assert prepared.backend == CPU_BACKEND and call.spec.sinks_grad and call.spec.prefix and call.spec.chunk_size == 3
     args = (call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, call.block_table,
-            call.alibi_slopes, call.dropout_key, backend, ops.options_of(call.spec), call.spec.max_seqlen_q,
+            call.alibi_slopes, call.dropout_key, backend, specs.options_of(call.spec), call.spec.max_seqlen_q,
             call.spec.max_seqlen_k, call.prefix_lens, call.sinks)
     torch.library.opcheck(torch.ops.jagged_sdpa.attention.default, args)
     out, lse, state = torch.ops.jagged_sdpa.attention(*args)

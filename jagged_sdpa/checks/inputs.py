@@ -22,7 +22,7 @@ ATTN_MASK_ALTERNATIVES = "is_causal, window_size, alibi_slopes, softcap"
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))  # int first: per call
 
 
 def _is_real(x) -> bool:

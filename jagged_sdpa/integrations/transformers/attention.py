@@ -129,11 +129,7 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
             # every query row is real (or a left-padded prompt's, which sees no key under causal
             # masking) and each row's keys are one run of cache slots: read the cache where it lies
             # (docs/api.md section 12), no gather of K/V and no scatter of the output
-            plan = info.plan(("in place",) + key_of_options, lambda: jagged_sdpa.plan(
-                info.cu_seqlens_full, None, Q, info.max_seqlen_k, seqused_k=info.seqused_k,
-                cache_leftpad=info.cache_leftpad, prefix_lens=prefix_lens, **options) if prefix_lens is not None
-                else plans.over_ranges(info.cu_seqlens_full, Q, info.seqused_k, info.cache_leftpad, info.lens_k,
-                                       info.first_k, **options))
+            plan = info.plan(("in place",) + key_of_options, lambda: _in_place_plan(info, Q, prefix_lens, options))
             out = plan.run(query.transpose(1, 2).reshape(B * Q, Hq, D), key.transpose(1, 2), value.transpose(1, 2),
                            sinks=sinks)
             return out.view(B, Q, Hq, Dv), None
@@ -186,6 +182,17 @@ def jagged_attention_forward(module, query, key, value, attention_mask, dropout=
     out = varlen_attention(q.reshape(B * Q, Hq, D), k.reshape(B * K, k.shape[2], D), v.reshape(B * K, v.shape[2], Dv),
                            cu_q, cu_k, max_q, max_k, **options)
     return out.view(B, Q, Hq, Dv), None
+
+
+def _in_place_plan(info, Q: int, prefix_lens, options: dict):
+    """The plan of a forward whose layers read the cache in place: over the ranges the mask hook
+    derived on the host (``plans.over_ranges``: valid by construction, so not checked again), or,
+    with an overlay's ``prefix_lens`` (checked against each row's keys), over ``jagged_sdpa.plan``."""
+    if prefix_lens is None:
+        return plans.over_ranges(info.cu_seqlens_full, Q, info.seqused_k, info.cache_leftpad, info.lens_k,
+                                 info.first_k, **options)
+    return jagged_sdpa.plan(info.cu_seqlens_full, None, Q, info.max_seqlen_k, seqused_k=info.seqused_k,
+                            cache_leftpad=info.cache_leftpad, prefix_lens=prefix_lens, **options)
 
 
 def _traced_in_place(q, k, v, mask, prefix_lens, sinks, options):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import signal
 import subprocess
 import sys
 
@@ -65,8 +66,17 @@ def run_child(code: str, timeout: float = 300, env: dict | None = None) -> subpr
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [tests, os.path.dirname(tests)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout, env=full_env, cwd=os.path.dirname(tests))
+    # A session of its own: on a timeout the whole group goes (a compiler the child started, e.g. the
+    # sanitized build, would otherwise keep running after the child is killed).
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=full_env, cwd=os.path.dirname(tests), start_new_session=True) as proc:
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout)
 
 
 def read_past_the_keys(k_expr: str, marker: str) -> str:

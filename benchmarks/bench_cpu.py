@@ -39,7 +39,11 @@ the options themselves cost). The target: both at most 1.10x.
 
 At the end, the targets (issues 14, 20, 22) next to the measured values, met or not.
 
-Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2,tiny,options] [--threads N] [--no-flex] [--no-memory]
+Issue 29's rows (``fp8``): W4's decode over a paged fp8 cache (e4m3fn, e5m2; per-kv-head scales), q
+bf16, against the same call over the same pages dequantized to bf16 and against one read of the fp8
+cache's bytes, timed interleaved; fastest rounds.
+
+Run: python benchmarks/bench_cpu.py [--quick] [--only W1,W2,tiny,options,fp8] [--threads N] [--no-flex] [--no-memory]
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagged_sdpa  # noqa: E402
 from jagged_sdpa.backends.cpu import native  # noqa: E402
 from jagged_sdpa.backends import positions  # noqa: E402
-from workloads import TINY, W1, Workload, make_tensors, standard_workloads  # noqa: E402
+from workloads import TINY, W1, W4, Workload, make_tensors, standard_workloads  # noqa: E402
 
 CONTENDERS = ("ours", "njt", "padded", "loop", "bucketed", "flex")
 ANCHORS = CONTENDERS[1:]
@@ -724,6 +728,90 @@ def print_options(rows: list[OptionsRow]) -> None:
           "straddle a mask edge)")
 
 
+# fp8 KV caches (docs/api.md section 13): W4's decode step over a paged cache stored in fp8, against
+# the same call over the same pages in bf16 (q bf16 in both) and against one read of the fp8 bytes
+# (the floor of a step that reads its cache once). Blocks of FP8_BLOCK slots, each sequence's own,
+# so that the cache holds its keys and little else and reading the cache's bytes is reading K/V.
+FP8_BLOCK = 16
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class Fp8Row:
+    label: str
+    seconds: dict  # "fp8", "bf16", "fp8_read", "bf16_read": fastest round's seconds per call
+    agree: float   # relative difference of the fp8 and bf16 calls' outputs
+
+
+def fp8_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workload = W4) -> list[Fp8Row]:
+    """``base`` (decode) over a paged fp8 cache, per fp8 format, timed interleaved with the same call
+    over the cache dequantized to bf16 and with one read of each cache's bytes (a byte sum of the
+    fp8 cache viewed as int64 words, which torch sums without widening; the bf16 cache's float sum);
+    per-kv-head scales."""
+    g = torch.Generator().manual_seed(3)
+    hkv, d = base.heads_kv, base.head_dim
+    lens = list(base.keys)
+    blocks = [math.ceil(n / FP8_BLOCK) for n in lens]
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+        start += n
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    cu_q = torch.arange(len(lens) + 1, dtype=torch.int32)
+    q = torch.randn(len(lens), base.heads, d, generator=g).to(torch.bfloat16)
+    k_scale, v_scale = torch.rand(hkv, generator=g) * 0.02 + 0.01, torch.rand(hkv, generator=g) * 0.02 + 0.01
+    rows = []
+    for dtype in FP8_DTYPES:
+        largest = torch.finfo(dtype).max
+        k8, v8 = [(torch.randn(start, FP8_BLOCK, hkv, d, generator=g) / sc.view(-1, 1)).clamp(-largest, largest).to(dtype)
+                  for sc in (k_scale, v_scale)]
+        kb, vb = [(x.float() * sc.view(-1, 1)).to(torch.bfloat16) for x, sc in ((k8, k_scale), (v8, v_scale))]
+        common = dict(block_table=table, seqused_k=seqused, causal=True)
+        args = (cu_q, None, 1, max(lens))
+        e = jagged_sdpa.explain(q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale, **common)
+        assert e.chosen == jagged_sdpa.Backend.CPU_FUSED, str(e)
+        k8w, v8w = k8.view(torch.int64), v8.view(torch.int64)
+        fns = {
+            "fp8": lambda: jagged_sdpa.varlen_attention(q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale, **common),
+            "bf16": lambda: jagged_sdpa.varlen_attention(q, kb, vb, *args, **common),
+            "fp8_read": lambda: (k8w.sum(), v8w.sum()),
+            "bf16_read": lambda: (kb.sum(), vb.sum()),
+        }
+        with torch.no_grad():
+            err = agree(fns["fp8"](), fns["bf16"](), torch.bfloat16)
+            reps = {}
+            for name, f in fns.items():
+                f()
+                t0 = time.perf_counter()
+                f()
+                reps[name] = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
+            samples = {n: [] for n in fns}
+            for _ in range(rounds):
+                for attempt in range(max_retries + 1):
+                    got = {n: timed(f, reps[n]) for n, f in fns.items()}
+                    if not any(s.disturbed for s in got.values()) or attempt == max_retries:
+                        break
+                for n, s in got.items():
+                    samples[n].append(s.seconds)
+        row = Fp8Row(f"{base.name} decode, {str(dtype).replace('torch.', '')} paged cache (block {FP8_BLOCK}), q bf16",
+                     {n: min(s) for n, s in samples.items()}, err)
+        rows.append(row)
+        print(f"  fp8 {row.label}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.seconds.items())
+              + " (ms, fastest rounds)", flush=True)
+    return rows
+
+
+def print_fp8(rows: list[Fp8Row]) -> None:
+    print("| issue 29: fp8 KV cache | fp8 ms | bf16 cache ms | fp8 / bf16 | read fp8 bytes ms | fp8 / its read | "
+          "read bf16 ms | fp8 vs bf16 output |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        t = r.seconds
+        print(f"| {r.label} | {_ms(t['fp8'])} | {_ms(t['bf16'])} | {t['fp8'] / t['bf16']:.2f}x | {_ms(t['fp8_read'])} | "
+              f"{t['fp8'] / t['fp8_read']:.2f}x | {_ms(t['bf16_read'])} | {r.agree:.1e} |")
+
+
 # ----------------------------------------------------------------------------------------------
 # report
 
@@ -887,6 +975,9 @@ def main(argv=None) -> int:
     options = None
     if not only or "options" in only:
         options = options_rows(rounds, min_sample, retries)
+    fp8 = None
+    if not only or "fp8" in only:
+        fp8 = fp8_rows(rounds, min_sample, retries)
     tiny = None
     if not only or "tiny" in only:
         with torch.no_grad():
@@ -897,6 +988,9 @@ def main(argv=None) -> int:
         print()
     if options:
         print_options(options)
+        print()
+    if fp8:
+        print_fp8(fp8)
         print()
     if tiny:
         print_tiny(tiny)

@@ -170,8 +170,20 @@ inline vf splat(float x) { return build([x](int) { return lanes_of(x, std::make_
 inline vf loadu(const float* p) {
     return build([p](int i) { nvf r; std::memcpy(&r, p + i * NL, sizeof r); return r; });
 }
+#if JS_VEC_BYTES == 64
 inline void storeu(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+#else
+// Register by register: one memcpy of the whole struct went through the stack (the accumulators
+// stored there, then copied out in 16-byte pieces), a tenth of an AVX2 tile's time.
+inline void storeu(float* p, vf x) {
+    for (int i = 0; i < NP; ++i) std::memcpy(p + i * NL, &x.h[i], sizeof x.h[i]);
+}
+#endif
 inline vf vmax(vf a, vf b) { return select(a > b, a, b); }
+// One native register (nvf) at a time.
+inline nvf load_n(const float* p) { nvf r; std::memcpy(&r, p, sizeof r); return r; }
+inline void store_n(float* p, nvf x) { std::memcpy(p, &x, sizeof x); }
+inline nvf splat_n(float x) { return lanes_of(x, std::make_index_sequence<NL>{}); }
 
 #if JS_VEC_BYTES == 64
 // Horizontal max and sum as trees of shuffles (a chain of 16 scalar steps costs ~4x more).
@@ -414,6 +426,27 @@ JS_VEXP_INLINE vf prob_exp(vf x) {
     return vexp(x);
 }
 
+#if JS_VEC_BYTES == 32 && defined(__AVX__)
+// 8 x 8 transpose of floats in registers: r[i] becomes column i of the rows r[0..8).
+inline void transpose8(__m256* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
 #if JS_AVX512
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i of the rows r[0..16).
 inline void transpose16(__m512i* r) {
@@ -594,6 +627,36 @@ void pack_transposed(const Rows& rows, int nk, int64_t len, int64_t words, uint3
         }
     }
 #else
+#if JS_VEC_BYTES == 32 && defined(__AVX__)
+    // 8 x 8 transposes of whole registers of 8 elements (IO::ldn: no read past a row's len); the
+    // element-by-element loop below ran at a fifth of the speed (4% of an AVX2 W3 forward).
+    if constexpr (!Pairs) {
+        for (int j0 = 0; j0 < BK; j0 += NL) {
+            if (j0 >= nk) {
+                for (int64_t e = 0; e < words; ++e) std::fill(dst + e * BK + j0, dst + e * BK + BK, 0u);
+                break;
+            }
+            const T* src[NL];
+            for (int j = 0; j < NL; ++j) src[j] = j0 + j < nk ? rows(j0 + j) : nullptr;
+            int64_t e0 = 0;
+            for (; e0 + NL <= len; e0 += NL) {
+                __m256 r[NL];
+                for (int j = 0; j < NL; ++j) {
+                    const nvf x = src[j] ? IO::ldn(src[j] + e0) : nvf{};
+                    std::memcpy(&r[j], &x, sizeof x);
+                }
+                transpose8(r);
+                for (int i = 0; i < NL; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (e0 + i) * BK + j0), r[i]);
+            }
+            for (; e0 < words; ++e0)
+                for (int j = 0; j < NL; ++j) {
+                    const float x = e0 < len && src[j] ? IO::ld(src[j] + e0) : 0.f;
+                    std::memcpy(dst + e0 * BK + j0 + j, &x, 4);
+                }
+        }
+        return;
+    }
+#endif
     std::fill(dst, dst + words * BK, 0u);
     for (int j = 0; j < nk; ++j) {
         const T* src = rows(j);
@@ -659,8 +722,10 @@ void pack_rows(const Rows& rows, int nk, int64_t len, int64_t width, void* dst) 
         float* vd = static_cast<float*>(dst);
         for (int j = 0; j < nk; ++j) {
             const T* src = rows(j);
-            for (int64_t e = 0; e < len; ++e) vd[j * width + e] = IO::ld(src + e);
-            for (int64_t e = len; e < width; ++e) vd[j * width + e] = 0.f;
+            int64_t e = 0;
+            for (; e + NL <= len; e += NL) store_n(vd + j * width + e, IO::ldn(src + e));  // whole registers
+            for (; e < len; ++e) vd[j * width + e] = IO::ld(src + e);
+            for (; e < width; ++e) vd[j * width + e] = 0.f;
         }
     }
 #endif
@@ -817,16 +882,25 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
 // floats: 12 ymm accumulators for RR = 6, two loads of B and a broadcast a step, the shape of
 // BLIS's Haswell sgemm kernel; 24 q registers on NEON), repeated over the column chunks; A's rows
 // are re-read from L1 per chunk.
+// The accumulators are arrays of native registers (a vf per row kept GCC's SRA from keeping them in
+// registers across the loop: they went to the stack and back around every pass).
+
 template <int RR>
 __attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, const float* kt, float* s) {
     for (int c = 0; c < BK / W; ++c) {
-        vf acc[RR];
-        for (int r = 0; r < RR; ++r) acc[r] = splat(0.f);
+        nvf acc[RR][NP];
+        for (int r = 0; r < RR; ++r)
+            for (int i = 0; i < NP; ++i) acc[r][i] = nvf{};
         for (int64_t e = 0; e < d; ++e) {
-            const vf k = loadu(kt + e * BK + c * W);
-            for (int r = 0; r < RR; ++r) acc[r] += splat(qp[r * lda + e]) * k;
+            nvf k[NP];
+            for (int i = 0; i < NP; ++i) k[i] = load_n(kt + e * BK + c * W + i * NL);
+            for (int r = 0; r < RR; ++r) {
+                const nvf qv = splat_n(qp[r * lda + e]);
+                for (int i = 0; i < NP; ++i) acc[r][i] += qv * k[i];
+            }
         }
-        for (int r = 0; r < RR; ++r) storeu(s + r * BK + c * W, acc[r]);
+        for (int r = 0; r < RR; ++r)
+            for (int i = 0; i < NP; ++i) store_n(s + r * BK + c * W + i * NL, acc[r][i]);
     }
 }
 
@@ -834,13 +908,19 @@ template <int RR, int NV>
 __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int nk, const float* vp, int64_t dvp,
                                        float* o) {
     for (int c = 0; c < NV; ++c) {
-        vf acc[RR];
-        for (int r = 0; r < RR; ++r) acc[r] = loadu(o + r * dvp + c * W) * splat(alpha[r]);
+        nvf acc[RR][NP];
+        for (int r = 0; r < RR; ++r)
+            for (int i = 0; i < NP; ++i) acc[r][i] = load_n(o + r * dvp + c * W + i * NL) * splat_n(alpha[r]);
         for (int j = 0; j < nk; ++j) {
-            const vf vv = loadu(vp + j * dvp + c * W);
-            for (int r = 0; r < RR; ++r) acc[r] += splat(pb[r * BK + j]) * vv;
+            nvf vv[NP];
+            for (int i = 0; i < NP; ++i) vv[i] = load_n(vp + j * dvp + c * W + i * NL);
+            for (int r = 0; r < RR; ++r) {
+                const nvf pj = splat_n(pb[r * BK + j]);
+                for (int i = 0; i < NP; ++i) acc[r][i] += pj * vv[i];
+            }
         }
-        for (int r = 0; r < RR; ++r) storeu(o + r * dvp + c * W, acc[r]);
+        for (int r = 0; r < RR; ++r)
+            for (int i = 0; i < NP; ++i) store_n(o + r * dvp + c * W + i * NL, acc[r][i]);
     }
 }
 #endif
@@ -2028,13 +2108,19 @@ template <int RR, int NV>
 __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const float* b, int64_t ldb, float* acc_out,
                                         int64_t ldo) {
     for (int c = 0; c < NV; ++c) {
-        vf acc[RR];
-        for (int k = 0; k < RR; ++k) acc[k] = loadu(acc_out + k * ldo + c * W);
+        nvf acc[RR][NP];
+        for (int k = 0; k < RR; ++k)
+            for (int i = 0; i < NP; ++i) acc[k][i] = load_n(acc_out + k * ldo + c * W + i * NL);
         for (int r = 0; r < rows; ++r) {
-            const vf bb = loadu(b + r * ldb + c * W);
-            for (int k = 0; k < RR; ++k) acc[k] += splat(x[r * BK + j0 + k]) * bb;
+            nvf bb[NP];
+            for (int i = 0; i < NP; ++i) bb[i] = load_n(b + r * ldb + c * W + i * NL);
+            for (int k = 0; k < RR; ++k) {
+                const nvf xk = splat_n(x[r * BK + j0 + k]);
+                for (int i = 0; i < NP; ++i) acc[k][i] += xk * bb[i];
+            }
         }
-        for (int k = 0; k < RR; ++k) storeu(acc_out + k * ldo + c * W, acc[k]);
+        for (int k = 0; k < RR; ++k)
+            for (int i = 0; i < NP; ++i) store_n(acc_out + k * ldo + c * W + i * NL, acc[k][i]);
     }
 }
 #endif

@@ -1334,6 +1334,21 @@ inline __attribute__((always_inline)) float fma_1(float a, float b, float c) {
 #endif
 }
 
+// NL elements of a key or value row widened to float32. bf16 on AVX2: one zero-extending load and a
+// shift (GCC's vector conversion took five instructions, more than the FMAs they feed).
+template <class IO>
+inline __attribute__((always_inline)) nvf row_ldn(const typename IO::T* p) {
+#if JS_VEC_BYTES == 32 && defined(__AVX2__)
+    if constexpr (std::is_same<IO, BF16>::value) {
+        const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+        nvf r;
+        std::memcpy(&r, &w, sizeof r);
+        return r;
+    }
+#endif
+    return IO::ldn(p);
+}
+
 // s[h * ls + j] = q_h . k_j for h < NH query rows (float32, pre-scaled, qd apart) and j < NK key
 // rows kr[j] + off, NH * NK <= 8 accumulators: each key register is loaded once for the NH heads.
 template <class IO, int NH, int NK>
@@ -1347,7 +1362,7 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
     int64_t e = 0;
     for (; e + NL <= d; e += NL) {
         nvf kv[NK];
-        for (int j = 0; j < NK; ++j) kv[j] = IO::ldn(kr[j] + e);
+        for (int j = 0; j < NK; ++j) kv[j] = row_ldn<IO>(kr[j] + e);
         for (int h = 0; h < NH; ++h) {
             nvf qq;
             std::memcpy(&qq, q + h * qd + e, sizeof qq);
@@ -1356,6 +1371,11 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
     }
     float r[NH * NK];
     lane_sums<NH * NK>(acc, r);
+    if (e == d) {  // no scalar tail (D a multiple of NL): its setup per score cost as much as the FMAs
+        for (int h = 0; h < NH; ++h)
+            for (int j = 0; j < NK; ++j) s[h * ls + j] = r[h * NK + j];
+        return;
+    }
     for (int h = 0; h < NH; ++h)
         for (int j = 0; j < NK; ++j) {
             float tail = 0.f;
@@ -1364,36 +1384,28 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
         }
 }
 
-// Rows to prefetch while a loop walks its own: at its row j, rows[j + dist] (when below n), every
-// line of its `bytes`. Direct rows read key rows in a walk the hardware prefetchers start late
-// on (each step's rows, then its value rows, per kv head): a row read from DRAM stalled the
-// products.
-struct Ahead {
-    const void* const* rows;
-    int n, dist;
-    int64_t bytes;
-    void operator()(int j) const {
-        if (j + dist >= n) return;
-        const char* r = static_cast<const char*>(rows[j + dist]);
+// Prefetches every line of `bytes` of rows[i] for i in [i0, min(i1, n)). Direct rows read key
+// rows in a walk the hardware prefetchers start late on (each step's rows, then its value rows,
+// per kv head): a row read from DRAM stalled the products. Issued a block of rows at a time: a
+// test and a call per key row cost as many instructions as the products of a D64 row.
+inline void prefetch_rows(const void* const* rows, int i0, int i1, int n, int64_t bytes) {
+    for (int i = i0; i < std::min(i1, n); ++i) {
+        const char* r = static_cast<const char*>(rows[i]);
         for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(r + e);
     }
-};
+}
 // Scores of nh query heads (rows qd apart) against n key rows kr[j] + off: s[h * ls + j]. Heads go
-// four at a time, keys as many as eight accumulators take; ahead (if any) prefetches as keys go.
+// four at a time, keys as many as eight accumulators take.
 template <class IO>
 inline void group_scores_all(const float* q, int64_t qd, int nh, const typename IO::T* const* kr, int64_t off, int n,
-                             int64_t d, float* s, int64_t ls, const Ahead* ahead = nullptr) {
+                             int64_t d, float* s, int64_t ls) {
     for (int h0 = 0; h0 < nh; h0 += 4) {
         const float* qh = q + h0 * qd;
         float* sh = s + h0 * ls;
         auto run = [&](auto heads) {
             constexpr int NH = decltype(heads)::value, NK = 8 / NH;
             int j = 0;
-            for (; j + NK <= n; j += NK) {
-                if (ahead && h0 == 0)
-                    for (int t = 0; t < NK; ++t) (*ahead)(j + t);
-                group_scores<IO, NH, NK>(qh, qd, kr + j, off, d, sh + j, ls);
-            }
+            for (; j + NK <= n; j += NK) group_scores<IO, NH, NK>(qh, qd, kr + j, off, d, sh + j, ls);
             for (; j < n; ++j) group_scores<IO, NH, 1>(qh, qd, kr + j, off, d, sh + j, ls);
         };
         switch (std::min(4, nh - h0)) {
@@ -1420,26 +1432,27 @@ constexpr int PV_HEADS = PV_VECTORS;
 // the FMAs' latency (one head alone takes 64 columns a pass).
 template <class IO, int NH>
 inline void group_pv(const float* pr, int64_t ls, const typename IO::T* const* vr, int64_t off, int n, int64_t dv,
-                     float* o, int64_t dvo, const Ahead* ahead) {
+                     float* o, int64_t dvo) {
     constexpr int NV = PV_VECTORS / NH > 1 ? PV_VECTORS / NH : 1;
     int64_t c = 0;
+    // Accumulators as one flat array of registers: an array of vf (struct vectors on narrower
+    // registers) was stored back to the stack after every FMA (8 stores a key on AVX2).
     auto pass = [&](auto vectors) {
-        constexpr int nv = decltype(vectors)::value;
-        vf acc[NH][nv];
+        constexpr int nv = decltype(vectors)::value, nr = nv * NP;
+        nvf acc[NH * nr];
         for (int h = 0; h < NH; ++h)
-            for (int u = 0; u < nv; ++u) acc[h][u] = loadu(o + h * dvo + c + u * W);
+            for (int u = 0; u < nr; ++u) std::memcpy(&acc[h * nr + u], o + h * dvo + c + u * NL, sizeof(nvf));
         for (int j = 0; j < n; ++j) {
-            if (ahead && c == 0) (*ahead)(j);
-            vf x[nv];
-            for (int u = 0; u < nv; ++u) x[u] = IO::ld16(vr[j] + off + c + u * W);
-            for (int h = 0; h < NH; ++h) {  // register by register: vf's += was left out of line
+            const typename IO::T* x = vr[j] + off + c;
+            nvf xv[nr];
+            for (int u = 0; u < nr; ++u) xv[u] = row_ldn<IO>(x + u * NL);
+            for (int h = 0; h < NH; ++h) {
                 const nvf pj = splat(pr[h * ls + j]).h[0];
-                for (int u = 0; u < nv; ++u)
-                    for (int i = 0; i < NP; ++i) acc[h][u].h[i] = fma_n(pj, x[u].h[i], acc[h][u].h[i]);
+                for (int u = 0; u < nr; ++u) acc[h * nr + u] = fma_n(pj, xv[u], acc[h * nr + u]);
             }
         }
         for (int h = 0; h < NH; ++h)
-            for (int u = 0; u < nv; ++u) storeu(o + h * dvo + c + u * W, acc[h][u]);
+            for (int u = 0; u < nr; ++u) std::memcpy(o + h * dvo + c + u * NL, &acc[h * nr + u], sizeof(nvf));
         c += nv * W;
     };
     while (c + NV * W <= dv) pass(std::integral_constant<int, NV>{});
@@ -1781,9 +1794,10 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
     int64_t lo, hi;
     key_range(p, b, pos, len_k, &lo, &hi);
     const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
-    // Keys a block: a whole step for one kv head; 16 for several, so that a token's row of heads is
-    // read at once (O is loaded and stored once per block and head).
-    const int kblock = g1 - g0 == 1 ? DIRECT_KEYS : W;
+    // Keys a block: 32 for one kv head (its O loaded and stored once per block and head; its rows'
+    // prefetches, dist rows ahead, issued per block); 16 for several, so that a token's row of heads
+    // is read at once.
+    const int kblock = g1 - g0 == 1 ? 2 * W : W;
     // Row pointers (at kv head g0): this step's K rows, its V rows, the next step's K rows, walked in
     // that order with prefetches a few KB ahead of the loads (the hardware prefetchers start late on
     // rows of one head among others: a row read from DRAM stalled the products).
@@ -1799,14 +1813,13 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
         const T** vr = kr + n;
         key_run(p, b, kb, n, v, p.v_tok, p.v_block, g0 * p.v_head, vr);
         if (next) key_run(p, b, kb + n, next, k, p.k_tok, p.k_block, g0 * p.k_head, vr + n);
-        if (kb == lo)  // later steps' first rows were prefetched by the step before
-            for (int j = 0; j < std::min(dist, n); ++j) Ahead{rows, n, 0, span}(j);
+        if (kb == lo) prefetch_rows(rows, 0, dist, n, span);  // later steps': by the step before
         for (int j0 = 0; j0 < n; j0 += kblock) {
             const int nb = std::min(kblock, n - j0);
-            const Ahead ahead_b{rows + j0, 2 * n - j0, dist, span};
+            prefetch_rows(rows, j0 + dist, j0 + nb + dist, 2 * n, span);
             for (int64_t g = g0; g < g1; ++g)
                 group_scores_all<IO>(qv + (g - g0) * group * d, d, static_cast<int>(group), kr + j0, (g - g0) * p.k_head, nb,
-                                     d, s + (g - g0) * group * DIRECT_KEYS + j0, DIRECT_KEYS, g == g0 ? &ahead_b : nullptr);
+                                     d, s + (g - g0) * group * DIRECT_KEYS + j0, DIRECT_KEYS);
         }
         for (int64_t i = 0; i < heads; ++i) {
             const int64_t h = h0 + i;
@@ -1820,18 +1833,17 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
         }
         for (int j0 = 0; j0 < n; j0 += kblock) {
             const int nb = std::min(kblock, n - j0);
-            const Ahead ahead_v{rows + n + j0, n + next - j0, dist, span};
+            prefetch_rows(rows + n, j0 + dist, j0 + nb + dist, n + next, span);
             for (int64_t i = 0, nh; i < heads; i += nh) {  // up to PV_HEADS query heads of one group
                 nh = std::min<int64_t>(PV_HEADS, group - i % group);
                 const int64_t off = (i / group) * p.v_head;
                 const float* pr = s + i * DIRECT_KEYS + j0;
                 float* oi = o + i * dvo;
-                const Ahead* ahead = i ? nullptr : &ahead_v;
                 switch (nh) {
-                    case 4: group_pv<IO, 4>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
-                    case 3: group_pv<IO, 3>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
-                    case 2: group_pv<IO, 2>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
-                    default: group_pv<IO, 1>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, ahead); break;
+                    case 4: group_pv<IO, 4>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
+                    case 3: group_pv<IO, 3>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
+                    case 2: group_pv<IO, 2>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
+                    default: group_pv<IO, 1>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
                 }
             }
         }

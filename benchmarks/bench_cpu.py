@@ -670,6 +670,27 @@ def _visible_pairs(spec, w: Workload, prefix) -> int:
     return total
 
 
+def _interleaved_best(fns: dict, rounds: int, min_sample_s: float, max_retries: int) -> dict:
+    """Each callable's fastest seconds per call over ``rounds`` interleaved rounds, after a warm-up
+    call and a calibration of repetitions to ``min_sample_s`` per sample; a round disturbed by the
+    load (``timed``) is repeated up to ``max_retries`` times."""
+    reps = {}
+    for name, f in fns.items():
+        f()  # warm-up
+        t0 = time.perf_counter()
+        f()
+        reps[name] = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
+    samples = {n: [] for n in fns}
+    for _ in range(rounds):
+        for attempt in range(max_retries + 1):
+            got = {n: timed(f, reps[n]) for n, f in fns.items()}
+            if not any(x.disturbed for x in got.values()) or attempt == max_retries:
+                break
+        for n, x in got.items():
+            samples[n].append(x.seconds)
+    return {n: min(x) for n, x in samples.items()}
+
+
 def options_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workload = W1) -> list[OptionsRow]:
     """``base`` causal in fp32 and bf16, forward and forward+backward: the plain call, and with
     sinks (Hq,), prefix_lens of a quarter of each sequence and chunk_size ``OPTION_CHUNK`` ("cut")
@@ -688,27 +709,15 @@ def options_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workl
             kinds = {"plain": {}, **{n: dict(options, chunk_size=c) for n, c in chunks.items()}}
             args = (q, k, v, cu_q, cu_k, max(w.q_lengths), max(w.keys))
             grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-            fns, pairs, reps = {}, {}, {}
+            fns, pairs = {}, {}
             for name, kw in kinds.items():
                 e = jagged_sdpa.explain(*args, causal=True, **kw)
                 assert e.chosen == jagged_sdpa.Backend.CPU_FUSED, str(e)
                 pairs[name] = _visible_pairs(e.spec, w, prefix if kw else [0] * len(prefix))
                 f = (lambda kw=kw: jagged_sdpa.varlen_attention(*args, causal=True, **kw))
                 fns[name] = with_backward(f, grad, (q, k, v)) if backward else f
-                fns[name]()  # warm-up
-                t0 = time.perf_counter()
-                fns[name]()
-                reps[name] = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
-            samples = {n: [] for n in fns}
-            for _ in range(rounds):
-                for attempt in range(max_retries + 1):
-                    got = {n: timed(f, reps[n]) for n, f in fns.items()}
-                    if not any(s.disturbed for s in got.values()) or attempt == max_retries:
-                        break
-                for n, s in got.items():
-                    samples[n].append(s.seconds)
-            row = OptionsRow(f"{w.name} {_dt(dtype)} causal {'fwd+bwd' if backward else 'fwd'}",
-                             {n: min(s) for n, s in samples.items()}, pairs, chunks)
+            best = _interleaved_best(fns, rounds, min_sample_s, max_retries)
+            row = OptionsRow(f"{w.name} {_dt(dtype)} causal {'fwd+bwd' if backward else 'fwd'}", best, pairs, chunks)
             rows.append(row)
             print(f"  options {row.label}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.seconds.items())
                   + " (ms, fastest rounds)", flush=True)
@@ -780,22 +789,9 @@ def fp8_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workload 
         }
         with torch.no_grad():
             err = agree(fns["fp8"](), fns["bf16"](), torch.bfloat16)
-            reps = {}
-            for name, f in fns.items():
-                f()
-                t0 = time.perf_counter()
-                f()
-                reps[name] = max(1, math.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
-            samples = {n: [] for n in fns}
-            for _ in range(rounds):
-                for attempt in range(max_retries + 1):
-                    got = {n: timed(f, reps[n]) for n, f in fns.items()}
-                    if not any(s.disturbed for s in got.values()) or attempt == max_retries:
-                        break
-                for n, s in got.items():
-                    samples[n].append(s.seconds)
+            best = _interleaved_best(fns, rounds, min_sample_s, max_retries)
         row = Fp8Row(f"{base.name} decode, {str(dtype).replace('torch.', '')} paged cache (block {FP8_BLOCK}), q bf16",
-                     {n: min(s) for n, s in samples.items()}, err)
+                     best, err)
         rows.append(row)
         print(f"  fp8 {row.label}: " + ", ".join(f"{n} {_ms(t)}" for n, t in row.seconds.items())
               + " (ms, fastest rounds)", flush=True)

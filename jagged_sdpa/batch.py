@@ -199,7 +199,7 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
         block_table, seqused_k, prefix_lens, cache_leftpad = (
             None if t is None else t.clone() for t in (block_table, seqused_k, prefix_lens, cache_leftpad))
     if dense_cache:
-        block_table = torch.arange(size, device=cu_q.device, dtype=torch.int32).view(size, 1)
+        block_table = _dense_table(size, cu_q.device)
     if kv_dense:
         cu_k = torch.arange(size + 1, device=cu_q.device, dtype=torch.int32) * max_k
     if not read:
@@ -246,7 +246,8 @@ def build(cu_q: Tensor, cu_k: Optional[Tensor], max_q: Optional[int], max_k: Opt
 
 @functools.lru_cache(maxsize=16)
 def _dense_table(size: int, device: torch.device) -> Tensor:
-    """A dense cache's block table (row b holds [b]): read, never written, so one per B."""
+    """A dense cache's block table (row b holds [b]): read, never written, so one per B and device
+    (``build`` and ``from_ranges`` both take it)."""
     return torch.arange(size, device=device, dtype=torch.int32).view(size, 1)
 
 

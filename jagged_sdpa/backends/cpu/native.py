@@ -1,4 +1,4 @@
-"""Our compiled CPU kernel (``csrc/attention.cpp``), forward and backward, built for this machine on
+"""Our compiled CPU kernel (``csrc/attention.cpp`` and the parts it includes), forward and backward, built for this machine on
 first use, and its ctypes binding.
 
 Why compiled: torch ops pay Python and dispatch per sequence, and PyTorch's fused CPU kernel runs
@@ -10,7 +10,7 @@ once per machine: 27 s with g++ 12 on an idle 2-core AMD EPYC VM (Zen 3, AVX2, n
 2026-11-29), 57 s on the same machine at load 5. It is announced once at INFO on the
 ``"jagged_sdpa"`` logger (and, when stderr is a terminal and no handler shows that line, in a short
 note on stderr), with where the library goes and how long it took. The library is cached under
-``$JAGGED_SDPA_CACHE`` (default ``~/.cache/jagged_sdpa``) by a hash of the source, the flags, the
+``$JAGGED_SDPA_CACHE`` (default ``~/.cache/jagged_sdpa``) by a hash of the sources (``attention.cpp`` and its headers), the flags, the
 compiler and (for ``native``) this CPU's flags. ``JAGGED_SDPA_CPU_ARCH`` picks the ``-march`` target (default ``native``; e.g.
 ``x86-64-v3`` for a library that runs on any AVX2 machine, which CI builds to test the kernel
 without AVX-512). Without a compiler, with a target the compiler refuses or this CPU cannot run, or
@@ -41,6 +41,13 @@ from jagged_sdpa.backends import keyed_dropout
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+
+
+def source_text() -> str:
+    """The kernel's whole source, ``attention.cpp`` and every header beside it in name order: what
+    the build cache key hashes, so an edit to any part rebuilds."""
+    parts = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+    return "\n".join(f"// {part.name}\n{part.read_text()}" for part in parts)
 FLAGS = ("-O3", "-march={arch}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 ARCH_ENV = "JAGGED_SDPA_CPU_ARCH"
 # JAGGED_SDPA_SANITIZE=address,undefined (tests/safety/test_sanitizers.py) builds a separate, instrumented
@@ -68,7 +75,7 @@ MAX_HEAD_DIM = 1024
 
 
 class _Params(ctypes.Structure):
-    """Mirror of ``JsParams`` in attention.cpp, field for field."""
+    """Mirror of ``JsParams`` in csrc/abi.h, field for field."""
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
@@ -93,7 +100,7 @@ class _Params(ctypes.Structure):
 
 
 class _GradParams(ctypes.Structure):
-    """Mirror of ``JsGradParams`` in attention.cpp."""
+    """Mirror of ``JsGradParams`` in csrc/abi.h."""
 
     _fields_ = [
         ("f", _Params), ("dout", ctypes.c_void_p), ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p),
@@ -193,7 +200,7 @@ def _compile_error(stderr: str) -> str:
 
 def _library_file(cxx: str, arch: str) -> tuple[Path, tuple[str, ...]]:
     """Where the library for (compiler, target) is cached, and its flags. The key hashes the
-    source, the flags (the target among them), the compiler's version and, for ``native`` only,
+    sources, the flags (the target among them), the compiler's version and, for ``native`` only,
     this CPU's flags: a named target builds the same library on every machine."""
     flags, tag = _flags(arch)
     try:
@@ -201,7 +208,7 @@ def _library_file(cxx: str, arch: str) -> tuple[Path, tuple[str, ...]]:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{cxx} --version failed: {exc}") from None
     machine = _cpu_flags() if arch == "native" else ""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, machine]).encode())
+    key = hashlib.sha256("\n".join([source_text(), " ".join(flags), version, machine]).encode())
     return cache_dir() / f"attention-{tag}{key.hexdigest()[:16]}.so", flags
 
 

@@ -111,3 +111,41 @@ def test_a_cached_library_is_loaded_silently(fresh_build, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="jagged_sdpa"):
         native.library()
     assert _build_messages(caplog) == []
+
+
+def test_an_edit_to_any_part_of_the_kernel_changes_the_cache_key(tmp_path, monkeypatch):
+    """The kernel is attention.cpp plus the headers it includes: a library built before an edit to
+    any one of them must not be loaded after it."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(native.SOURCE.parent, csrc)
+    monkeypatch.setattr(native, "SOURCE", csrc / "attention.cpp")
+    cxx = _fake_compiler(tmp_path, succeed=True)
+    before = native._library_file(cxx, "native")[0]
+    parts = sorted(csrc.glob("*.h"))
+    assert {p.name for p in parts} >= {"simd.h", "tiles.h", "direct_rows.h", "backward.h"}
+    for part in [csrc / "attention.cpp", *parts]:
+        text = part.read_text()
+        part.write_text(text + "\n// edited\n")
+        assert native._library_file(cxx, "native")[0] != before, part.name
+        part.write_text(text)
+    assert native._library_file(cxx, "native")[0] == before
+
+
+def test_the_package_data_ships_every_part_of_the_kernel():
+    """An installed wheel must carry every file attention.cpp includes: pyproject's package data
+    patterns match each source file in csrc/."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "jagged_sdpa.backends.cpu"]
+    csrc = native.SOURCE.parent
+    for part in csrc.iterdir():
+        name = f"csrc/{part.name}"
+        assert any(fnmatch.fnmatch(name, pat) for pat in patterns), name
+    included = {line.split('"')[1] for line in native.SOURCE.read_text().splitlines() if line.startswith("#include \"")}
+    assert included == {p.name for p in csrc.glob("*.h")}

@@ -401,147 +401,116 @@ void row_deltas(const JsGradParams& g, int64_t q0, int64_t n, int64_t h, float* 
     }
 }
 
-// The float32 lse is off by up to half an ulp of |lse|, so P = exp(S - lse) is too, relatively:
-// 2^-11 at |lse| ~ 1e4, where MATH's P is exact (a one-hot row's top key; dv 2e-3 off). For rows
-// whose |lse| is at least LSE_EXACT this sums P over the row's keys once more, with the forward's
-// scores (``scores``): the sum is exp(L - lse) for the L = m + log(l) the forward rounded, and its
-// log goes to w.lse_lo, which the backward subtracts from S - lse (``pack_k`` packs a key block
-// as ``scores`` reads it: the bf16 backward's scores are the forward's vdpbf16ps ones). That pass costs about a forward
-// without P.V (+40% on a backward whose every row needs it). Below LSE_EXACT the rounding moves P
-// by < 7.6e-6 (relative; the float32 gradient floor is 1e-4), and rows of ordinary logits (even
-// attention sinks) never pay for it.
+// Rows with |lse| at least this get their lse's rounding corrected (GradItem::correct_lse).
 constexpr float LSE_EXACT = 256.f;
 
 inline bool lse_inexact(float lse) { return std::fabs(lse) >= LSE_EXACT && !std::isinf(lse); }
 
-template <class IO, class Pack, class Scores>
-void lse_corrections(const JsGradParams& g, int64_t b, int64_t hk, int64_t lq, GradScratch& w, Pack&& pack_k,
-                     Scores&& scores) {
-    typedef typename IO::T T;
-    const JsParams& p = g.f;
-    const int64_t group = p.heads_q / p.heads_kv, len_q = p.cu_q[b + 1] - p.cu_q[b];
-    const int64_t len_k = key_count(p, b), shift = p.bottom_right ? len_k - len_q : 0;
-    bool any = false;
-    for (int64_t row = 0; row < group * lq; ++row) any |= lse_inexact(w.lse[row]);
-    if (!any) return;
-    float* pb = w.p.data();
-    for (int64_t kb = 0; kb < len_k; kb += BK) {
-        const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
-        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk);
-        pack_k(krows, nk);
-        for (int64_t gi = 0; gi < group; ++gi) {
-            const int64_t h = hk * group + gi;
-            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
-            const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
-            for (int64_t c0 = 0; c0 < len_q; c0 += BQ_BWD) {
-                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, len_q - c0));
-                const int64_t base = gi * lq + c0;
-                bool need = false;
-                for (int r = 0; r < n; ++r) need |= lse_inexact(w.lse[base + r]);
-                if (!need) continue;
-                scores(base, n, krows, nk, pb);
-                for (int r = 0; r < n; ++r) {
-                    const float lse = w.lse[base + r];
-                    if (!lse_inexact(lse)) continue;
-                    float* srow = pb + r * BK;
-                    rule.apply(srow, c0 + r + shift);
-                    vf sum = splat(0.f);
-                    for (int c = 0; c < BK / W; ++c) sum += prob_exp<IO>(loadu(srow + c * W) - splat(lse));
-                    w.lse_lo[base + r] += hsum(sum);
-                }
-            }
-        }
-    }
-    for (int64_t row = 0; row < group * lq; ++row)
-        if (lse_inexact(w.lse[row])) w.lse_lo[row] = std::log(w.lse_lo[row]);
-}
-
-// sink_part (with sinks and g.dsinks): (batch, Hq) per-item sums of the sinks' gradient, added
-// up in order once every item is done (grad_all).
+// One backward work item, (sequence b, kv head hk), in phases: its query heads' rows gathered into
+// scratch (gather_rows), the lse corrections of rows with a large |lse| (correct_lse), the sinks'
+// gradient (sink_grads), then per key block: the rows that see it (block_rows), its keys and
+// values packed (pack_block), and per chunk of BQ_BWD rows S and dP (products), P and dS
+// (probabilities), dV, dK and dQ (accumulate); dK/dV stored per block (store_block), dQ at the
+// end (store_dq). Three product paths share the phases: float32 FMAs, AMX tiles (bf16 with AMX)
+// and vdpbf16ps (dot16: bf16 with AVX512-BF16 alone).
 template <class IO>
-void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared,
-               double* sink_part) {
+struct GradItem {
     typedef typename IO::T T;
-    const JsParams& p = g.f;
-    const int64_t d = p.head_dim, dv = p.head_dim_v, dp = (d + W - 1) / W * W, dvp = (dv + W - 1) / W * W;
-    const int64_t group = p.heads_q / p.heads_kv;
-    const int64_t q0 = p.cu_q[b], len_q = p.cu_q[b + 1] - q0;
-    const int64_t len_k = key_count(p, b);
-    const int64_t shift = p.bottom_right ? len_k - len_q : 0;
-    if (len_q == 0 || len_k == 0) return;
-    // The forward ran this sequence as direct rows (run_all): recompute its scores the same way.
-    const bool direct = len_q <= p.direct_rows;
-#if JS_AMX
-    const bool amx = std::is_same<IO, BF16>::value && amx_ready();
-#else
-    constexpr bool amx = false;
-#endif
     // bf16 without AMX: the five products on vdpbf16ps (dot16).
-    constexpr bool dot16_ok = JS_BF16_BWD && std::is_same<IO, BF16>::value;
-    const bool dot16 = dot16_ok && !amx;
+    static constexpr bool dot16_ok = JS_BF16_BWD && std::is_same<IO, BF16>::value;
     static_assert(!dot16_ok || direct_pairs<IO>, "dot16 keeps no float32 q: direct scores read bf16 q in place");
-    const int64_t pairs = (d + 1) / 2, vpairs = (dv + 1) / 2;  // dot16: q.k and dO.v as pairs
+
+    const JsGradParams& g;
+    const JsParams& p;
+    GradScratch& w;
+    const int64_t b, hk;
+    const int64_t d, dv, dp, dvp, group, q0, len_q, len_k, shift;
+    // The forward ran this sequence as direct rows (run_all): its scores are recomputed the same way.
+    const bool direct;
+    const bool amx, dot16;
+    const int64_t pairs, vpairs;  // dot16: q.k and dO.v as pairs
     // Scratch rows: query head gi's row i at gi * lq + i. AMX tiles sum over rows 32 at a time, so
     // there each head's rows are padded to a multiple of 32 with zero rows (lse +inf: P = 0).
-    const int64_t lq = amx ? (len_q + 31) / 32 * 32 : len_q;
-    const int64_t rows = group * lq;
-    const int64_t dpad = (d + 31) / 32 * 32, dvpad = (dv + 31) / 32 * 32;  // AMX: 16 pairs per tile
-    w.fit(rows, dp, dvp, amx || dot16);
-    if (amx) w.fit_bf16(rows, dp, dvp, dpad, dvpad);
-    if (dot16) w.fit_bf16(rows, dp, dvp, 2 * pairs, 2 * vpairs);  // direct scores read bf16 q in place (direct_pairs)
-    for (int64_t gi = 0; gi < group; ++gi) {
-        const int64_t h = hk * group + gi;
-        for (int64_t i = 0; i < lq; ++i) {
-            const int64_t row = gi * lq + i;
-            if (i >= len_q) {  // AMX padding
-                w.delta[row] = 0.f;
-                w.lse[row] = INFINITY;
+    const int64_t lq, rows;
+    const int64_t dpad, dvpad;  // AMX: 16 pairs per tile
+
+    GradItem(const JsGradParams& g_, int64_t b_, int64_t hk_, GradScratch& w_)
+        : g(g_), p(g_.f), w(w_), b(b_), hk(hk_), d(p.head_dim), dv(p.head_dim_v), dp((d + W - 1) / W * W),
+          dvp((dv + W - 1) / W * W), group(p.heads_q / p.heads_kv), q0(p.cu_q[b]), len_q(p.cu_q[b + 1] - q0),
+          len_k(key_count(p, b)), shift(p.bottom_right ? len_k - len_q : 0), direct(len_q <= p.direct_rows),
+#if JS_AMX
+          amx(std::is_same<IO, BF16>::value && amx_ready()),
+#else
+          amx(false),
+#endif
+          dot16(dot16_ok && !amx), pairs((d + 1) / 2), vpairs((dv + 1) / 2),
+          lq(amx ? (len_q + 31) / 32 * 32 : len_q), rows(group * lq), dpad((d + 31) / 32 * 32),
+          dvpad((dv + 31) / 32 * 32) {}
+
+    bool empty() const { return len_q == 0 || len_k == 0; }
+
+    // q (scaled, float32; or bf16 as given for AMX and dot16), dO, lse and delta = dO.O of every
+    // query head's rows into scratch.
+    void gather_rows() {
+        w.fit(rows, dp, dvp, amx || dot16);
+        if (amx) w.fit_bf16(rows, dp, dvp, dpad, dvpad);
+        if (dot16) w.fit_bf16(rows, dp, dvp, 2 * pairs, 2 * vpairs);  // direct scores read bf16 q in place (direct_pairs)
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            for (int64_t i = 0; i < lq; ++i) {
+                const int64_t row = gi * lq + i;
+                if (i >= len_q) {  // AMX padding
+                    w.delta[row] = 0.f;
+                    w.lse[row] = INFINITY;
+                    w.lse_lo[row] = 0.f;
+                    continue;
+                }
+                const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
+                const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
+                if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
+                    std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
+                    std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
+                    for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
+                    for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
+                } else if (dot16) {  // bf16 as given, as the forward's tiles take q
+                    std::memcpy(w.qb.data() + row * 2 * pairs, qs, d * sizeof(T));
+                    std::memcpy(w.dob.data() + row * 2 * vpairs, dos, dv * sizeof(T));
+                } else {
+                    for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
+                    for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
+                }
+                const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
+                w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
                 w.lse_lo[row] = 0.f;
+            }
+#if JS_BF16_BWD
+            if (dot16) {
+                row_deltas_bf16(g, q0, len_q, h, w.delta.data() + gi * lq);
                 continue;
             }
-            const T* qs = static_cast<const T*>(p.q) + (q0 + i) * p.q_tok + h * p.q_head;
-            const T* dos = static_cast<const T*>(g.dout) + (q0 + i) * g.do_tok + h * g.do_head;
-            if (amx) {  // bf16 as given: q unscaled (S and dK are scaled in float32)
-                std::memcpy(w.qb.data() + row * dpad, qs, d * sizeof(T));
-                std::memcpy(w.dob.data() + row * dvpad, dos, dv * sizeof(T));
-                for (int64_t e = 0; e < d; ++e) std::memcpy(&w.qT[e * rows + row], qs + e, 2);
-                for (int64_t e = 0; e < dv; ++e) std::memcpy(&w.doT[e * rows + row], dos + e, 2);
-            } else if (dot16) {  // bf16 as given, as the forward's tiles take q
-                std::memcpy(w.qb.data() + row * 2 * pairs, qs, d * sizeof(T));
-                std::memcpy(w.dob.data() + row * 2 * vpairs, dos, dv * sizeof(T));
-            } else {
-                for (int64_t e = 0; e < d; ++e) w.q[row * dp + e] = IO::ld(qs + e) * p.scale;
-                for (int64_t e = 0; e < dv; ++e) w.dout[row * dvp + e] = IO::ld(dos + e);
-            }
-            const float l = p.lse[h * p.lse_head + (q0 + i) * p.lse_tok];
-            w.lse[row] = l == -INFINITY ? INFINITY : l;  // a row that saw no key: P = exp(-inf) = 0
-            w.lse_lo[row] = 0.f;
+#endif
+            row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
         }
 #if JS_BF16_BWD
-        if (dot16) {
-            row_deltas_bf16(g, q0, len_q, h, w.delta.data() + gi * lq);
-            continue;
+        if (dot16) {  // Q^T and dO^T: the A operands of dK^T and dV^T
+            transpose_bf16(w.qb.data(), 2 * pairs, rows, d, w.qT.data());
+            transpose_bf16(w.dob.data(), 2 * vpairs, rows, dv, w.doT.data());
         }
 #endif
-        row_deltas<IO>(g, q0, len_q, h, w.delta.data() + gi * lq);
     }
-#if JS_BF16_BWD
-    if (dot16) {  // Q^T and dO^T: the A operands of dK^T and dV^T
-        transpose_bf16(w.qb.data(), 2 * pairs, rows, d, w.qT.data());
-        transpose_bf16(w.dob.data(), 2 * vpairs, rows, dv, w.doT.data());
-    }
-#endif
-    // K^T of a key block as the scores below read it (none for a direct sequence).
-    auto pack_k = [&](const KeyRows<T>& krows, int nk) {
+
+    // K^T of a key block as scores() reads it (none for a direct sequence).
+    void pack_k(const KeyRows<T>& krows, int nk) {
         if (direct) return;
         if constexpr (dot16_ok)
             if (dot16) return pack_transposed<IO, true>(krows, nk, d, pairs, w.kt2.data());
         pack_transposed<IO, false>(krows, nk, d, d, reinterpret_cast<uint32_t*>(w.kt.data()));
-    };
+    }
+
     // S (unmasked) of scratch rows base .. base + n against key block kb, rounded as the forward
     // rounded it: direct_scores on the key rows for a direct sequence, else qk_tile on K^T packed in
     // w.kt (qk_tile_bf16 on K^T pairs in w.kt2 for dot16).
-    auto scores = [&](int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
+    void scores(int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb) {
         if (direct) {  // direct_scores, as direct_row: pairs take the bf16 q rows in place
             for (int r = 0; r < n; ++r) {
                 const int64_t row = base + r;
@@ -575,12 +544,58 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
 #define JS_QK(RR, r) qk_tile<RR>(w.q.data() + (base + r) * dp, dp, d, w.kt.data(), pb + r * BK)
         JS_FOR_TILES(n, JS_QK)
 #undef JS_QK
-    };
-    if (!amx) lse_corrections<IO>(g, b, hk, lq, w, pack_k, scores);
+    }
+
+    // The float32 lse is off by up to half an ulp of |lse|, so P = exp(S - lse) is too, relatively:
+    // 2^-11 at |lse| ~ 1e4, where MATH's P is exact (a one-hot row's top key; dv 2e-3 off). For rows
+    // whose |lse| is at least LSE_EXACT this sums P over the row's keys once more, with the forward's
+    // scores (scores()): the sum is exp(L - lse) for the L = m + log(l) the forward rounded, and its
+    // log goes to w.lse_lo, which the backward subtracts from S - lse. That pass costs about a
+    // forward without P.V. Below LSE_EXACT the rounding moves P by < 7.6e-6 (relative; the float32
+    // gradient floor is 1e-4), and rows of ordinary logits (even attention sinks) never pay for it.
+    // Not on AMX (its S is computed unscaled in bf16 products; the rows there are bf16 anyway).
+    void correct_lse() {
+        if (amx) return;
+        bool any = false;
+        for (int64_t row = 0; row < group * lq; ++row) any |= lse_inexact(w.lse[row]);
+        if (!any) return;
+        float* pb = w.p.data();
+        for (int64_t kb = 0; kb < len_k; kb += BK) {
+            const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
+            const KeyRows<T> krows = k_rows<T>(p, b, kb, hk);
+            pack_k(krows, nk);
+            for (int64_t gi = 0; gi < group; ++gi) {
+                const int64_t h = hk * group + gi;
+                const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
+                const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
+                for (int64_t c0 = 0; c0 < len_q; c0 += BQ_BWD) {
+                    const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, len_q - c0));
+                    const int64_t base = gi * lq + c0;
+                    bool need = false;
+                    for (int r = 0; r < n; ++r) need |= lse_inexact(w.lse[base + r]);
+                    if (!need) continue;
+                    scores(base, n, krows, nk, pb);
+                    for (int r = 0; r < n; ++r) {
+                        const float lse = w.lse[base + r];
+                        if (!lse_inexact(lse)) continue;
+                        float* srow = pb + r * BK;
+                        rule.apply(srow, c0 + r + shift);
+                        vf sum = splat(0.f);
+                        for (int c = 0; c < BK / W; ++c) sum += prob_exp<IO>(loadu(srow + c * W) - splat(lse));
+                        w.lse_lo[base + r] += hsum(sum);
+                    }
+                }
+            }
+        }
+        for (int64_t row = 0; row < group * lq; ++row)
+            if (lse_inexact(w.lse[row])) w.lse_lo[row] = std::log(w.lse_lo[row]);
+    }
+
     // The sinks' gradient (docs/api.md section 11): the sink's share of row i is P_sink = exp(sink_h - lse_i)
     // (lse includes the sink, corrected like P below), and d lse_i / d sink_h = P_sink, so
     // dsink_h = -sum_i P_sink,i * delta_i (delta_i = dO_i . O_i). A row that saw no key has O = 0.
-    if (sink_part)
+    // sink_part: (batch, Hq) per-item sums, added up in order once every item is done (grad_all).
+    void sink_grads(double* sink_part) {
         for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t h = hk * group + gi;
             double sum = 0.0;
@@ -590,12 +605,12 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             }
             sink_part[b * p.heads_q + h] = sum;
         }
-#if JS_AMX
-    if (amx) amx_configure();
-#endif
-    for (int64_t kb = 0; kb < len_k; kb += BK) {
-        const int nk = static_cast<int>(std::min<int64_t>(BK, len_k - kb));
-        // Rows that see any key of this block: a contiguous range (both bounds are monotone).
+    }
+
+    // The chunk rows [c_begin, c_end) that see any key of block [kb, kb + nk): a contiguous range
+    // (both bounds of key_range are monotone); AMX chunks start and end on multiples of 32 (the rows
+    // added see none of these keys: P = 0). False when no row sees the block (its dK/dV stay 0).
+    bool block_rows(int64_t kb, int nk, int64_t& c_begin, int64_t& c_end) const {
         int64_t r_begin = len_q, r_end = 0;
         for (int64_t i = 0; i < len_q; ++i) {
             int64_t lo, hi;
@@ -605,11 +620,14 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
                 r_end = i + 1;
             }
         }
-        if (r_begin >= r_end) continue;  // dK/dV rows of this block stay 0
-        // Rows in chunks of BQ_BWD from r_begin; AMX chunks start and end on multiples of 32 (the
-        // rows added see none of these keys: P = 0).
-        const int64_t c_begin = amx ? r_begin / 32 * 32 : r_begin, c_end = amx ? (r_end + 31) / 32 * 32 : r_end;
-        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk), vrows = v_rows<T>(p, b, kb, hk);
+        if (r_begin >= r_end) return false;
+        c_begin = amx ? r_begin / 32 * 32 : r_begin;
+        c_end = amx ? (r_end + 31) / 32 * 32 : r_end;
+        return true;
+    }
+
+    // A key block packed for the products, its dK/dV accumulators zeroed.
+    void pack_block(const KeyRows<T>& krows, const KeyRows<T>& vrows, int nk) {
         if (amx) {  // K^T and V^T as pairs, K as pairs of rows; dK^T, dV^T accumulate
             pack_transposed<IO, true>(krows, nk, d, dpad / 2, w.kt2.data());
             pack_transposed<IO, true>(vrows, nk, dv, dvpad / 2, w.vt2.data());
@@ -630,124 +648,133 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             std::fill(w.dk.begin(), w.dk.end(), 0.f);
             std::fill(w.dv.begin(), w.dv.end(), 0.f);
         }
-        for (int64_t gi = 0; gi < group; ++gi) {
-            const int64_t h = hk * group + gi;
-            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
-            const RowRule rule{p, kb, len_k, nk, slope, b, h, shift};
-            for (int64_t c0 = c_begin; c0 < c_end; c0 += BQ_BWD) {
-                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, c_end - c0));
-                const int64_t base = gi * lq + c0;  // scratch row of the chunk's first row
-                float* pb = w.p.data();
-                float* dsb = w.ds.data();
+    }
+
+    // S = Q.K^T into pb and dP = dO.V^T into dsb for the n scratch rows from base.
+    void products(int64_t base, int n, const KeyRows<T>& krows, int nk, float* pb, float* dsb) {
 #if JS_AMX
-                if (amx) {
-                    for (int r = 0; r < n; r += TR) {  // S = Q.K^T (unscaled), dP = dO.V^T
-                        amx_mm(4, dpad / 32, false, w.qb.data() + (base + r) * dpad, dpad * 2, 64, w.kt2.data(), BK * 4,
-                               16 * BK * 4, pb + r * BK, BK * 4);
-                        amx_mm(4, dvpad / 32, false, w.dob.data() + (base + r) * dvpad, dvpad * 2, 64, w.vt2.data(),
-                               BK * 4, 16 * BK * 4, dsb + r * BK, BK * 4);
-                    }
-                    for (int r = 0; r < n; ++r)
-                        for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
-                }
+        if (amx) {
+            for (int r = 0; r < n; r += TR) {  // S = Q.K^T (unscaled), dP = dO.V^T
+                amx_mm(4, dpad / 32, false, w.qb.data() + (base + r) * dpad, dpad * 2, 64, w.kt2.data(), BK * 4,
+                       16 * BK * 4, pb + r * BK, BK * 4);
+                amx_mm(4, dvpad / 32, false, w.dob.data() + (base + r) * dvpad, dvpad * 2, 64, w.vt2.data(),
+                       BK * 4, 16 * BK * 4, dsb + r * BK, BK * 4);
+            }
+            for (int r = 0; r < n; ++r)
+                for (int c = 0; c < BK; c += W) storeu(pb + r * BK + c, loadu(pb + r * BK + c) * splat(p.scale));
+            return;
+        }
 #endif
+        scores(base, n, krows, nk, pb);
 #if JS_BF16_BWD
-                if (dot16) {
-                    scores(base, n, krows, nk, pb);
+        if (dot16) {
 #define JS_DP16(RR, r) qk_tile_bf16<RR>(w.dob.data() + (base + r) * 2 * vpairs, 2 * vpairs, vpairs, w.vt2.data(), 1.f, dsb + r * BK)
-                    JS_FOR_TILES(n, JS_DP16)
+            JS_FOR_TILES(n, JS_DP16)
 #undef JS_DP16
-                }
+            return;
+        }
 #endif
-                if (!amx && !dot16) {
-                    scores(base, n, krows, nk, pb);
 #define JS_DP(RR, r) qk_tile<RR>(w.dout.data() + (base + r) * dvp, dvp, dv, w.vt.data(), dsb + r * BK)
-                    JS_FOR_TILES(n, JS_DP)
+        JS_FOR_TILES(n, JS_DP)
 #undef JS_DP
+    }
+
+    // In place: S -> P = exp(S - lse) (times dropout's Z) and dP -> dS = P * (dP o Z - delta)
+    // (times the softcap derivative), for chunk rows c0 .. c0 + n of query head h (scratch rows from
+    // base) against key block [kb, kb + nk); zero past nk.
+    void probabilities(int64_t base, int n, int64_t c0, int64_t h, int64_t kb, int nk, const RowRule& rule,
+                       float* pb, float* dsb) {
+        for (int r = 0; r < n; ++r) {
+            float* srow = pb + r * BK;
+            float* dsrow = dsb + r * BK;
+            const int64_t pos = c0 + r + shift;
+            float* rawrow = w.raw.data() + r * BK;
+            if (p.softcap > 0.f) std::copy(srow, srow + BK, rawrow);
+            rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
+            const vf lse = splat(w.lse[base + r]), lse_lo = splat(w.lse_lo[base + r]);
+            const vf delta = splat(w.delta[base + r]);
+            if (p.dropout_p > 0.f) {
+                alignas(64) float z[BK] = {};
+                dropout_scale(p, b, h, c0 + r, kb, nk, z);
+                for (int c = 0; c < BK / W; ++c) {
+                    const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
+                    storeu(srow + c * W, pr * zc);
+                    storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
                 }
-                for (int r = 0; r < n; ++r) {
-                    float* srow = pb + r * BK;
-                    float* dsrow = dsb + r * BK;
-                    const int64_t pos = c0 + r + shift;
-                    float* rawrow = w.raw.data() + r * BK;
-                    if (p.softcap > 0.f) std::copy(srow, srow + BK, rawrow);
-                    rule.apply(srow, pos);  // scores as the forward saw them; -inf where masked
-                    const vf lse = splat(w.lse[base + r]), lse_lo = splat(w.lse_lo[base + r]);
-                    const vf delta = splat(w.delta[base + r]);
-                    if (p.dropout_p > 0.f) {
-                        alignas(64) float z[BK] = {};
-                        dropout_scale(p, b, h, c0 + r, kb, nk, z);
-                        for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo), zc = loadu(z + c * W);
-                            storeu(srow + c * W, pr * zc);
-                            storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) * zc - delta));
-                        }
-                    } else {
-                        for (int c = 0; c < BK / W; ++c) {
-                            const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo);
-                            storeu(srow + c * W, pr);
-                            storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
-                        }
-                    }
-                    if (p.softcap > 0.f)
-                        for (int j = 0; j < nk; ++j) {
-                            const float t = std::tanh(rawrow[j] / p.softcap);
-                            dsrow[j] *= 1.f - t * t;
-                        }
-                    for (int j = nk; j < BK; ++j) srow[j] = dsrow[j] = 0.f;
+            } else {
+                for (int c = 0; c < BK / W; ++c) {
+                    const vf pr = prob_exp<IO>((loadu(srow + c * W) - lse) - lse_lo);
+                    storeu(srow + c * W, pr);
+                    storeu(dsrow + c * W, pr * (loadu(dsrow + c * W) - delta));
                 }
+            }
+            if (p.softcap > 0.f)
+                for (int j = 0; j < nk; ++j) {
+                    const float t = std::tanh(rawrow[j] / p.softcap);
+                    dsrow[j] *= 1.f - t * t;
+                }
+            for (int j = nk; j < BK; ++j) srow[j] = dsrow[j] = 0.f;
+        }
+    }
+
+    // dV += P^T.dO, dK += dS^T.Q (Q pre-scaled; transposed dK^T/dV^T on AMX and dot16) and
+    // dQ += dS.K for the chunk's n scratch rows from base.
+    void accumulate(int64_t base, int n, int nk, float* pb, float* dsb) {
 #if JS_AMX
-                if (amx) {  // P and dS rounded to bf16, as flash attention's bf16 backward does
-                    bf16_row_pairs(pb, n, w.pvn.data());
-                    bf16_row_pairs(dsb, n, w.dsvn.data());
-                    bf16_rows(dsb, n, w.ds16.data());
-                    for (int64_t e = 0; e < dvp; e += 16)  // dV^T += dO^T.P
-                        amx_mm(4, n / 32, true, w.doT.data() + e * rows + base, rows * 2, 64, w.pvn.data(), BK * 4,
-                               16 * BK * 4, w.dvT.data() + e * BK, BK * 4);
-                    for (int64_t e = 0; e < dp; e += 16)  // dK^T += Q^T.dS (unscaled)
-                        amx_mm(4, n / 32, true, w.qT.data() + e * rows + base, rows * 2, 64, w.dsvn.data(), BK * 4,
-                               16 * BK * 4, w.dkT.data() + e * BK, BK * 4);
-                    for (int r = 0; r < n; r += TR)  // dQ += dS.K
-                        for (int64_t c = 0; c < dp; c += 4 * W)
-                            amx_mm(static_cast<int>(std::min<int64_t>(4, (dp - c) / W)), BK / 32, true, w.ds16.data() + r * BK,
-                                   BK * 2, 64, w.kp2.data() + 2 * c, dp * 4, 16 * dp * 4, w.dq.data() + (base + r) * dp + c,
-                                   dp * 4);
-                    continue;
-                }
+        if (amx) {  // P and dS rounded to bf16, as flash attention's bf16 backward does
+            bf16_row_pairs(pb, n, w.pvn.data());
+            bf16_row_pairs(dsb, n, w.dsvn.data());
+            bf16_rows(dsb, n, w.ds16.data());
+            for (int64_t e = 0; e < dvp; e += 16)  // dV^T += dO^T.P
+                amx_mm(4, n / 32, true, w.doT.data() + e * rows + base, rows * 2, 64, w.pvn.data(), BK * 4,
+                       16 * BK * 4, w.dvT.data() + e * BK, BK * 4);
+            for (int64_t e = 0; e < dp; e += 16)  // dK^T += Q^T.dS (unscaled)
+                amx_mm(4, n / 32, true, w.qT.data() + e * rows + base, rows * 2, 64, w.dsvn.data(), BK * 4,
+                       16 * BK * 4, w.dkT.data() + e * BK, BK * 4);
+            for (int r = 0; r < n; r += TR)  // dQ += dS.K
+                for (int64_t c = 0; c < dp; c += 4 * W)
+                    amx_mm(static_cast<int>(std::min<int64_t>(4, (dp - c) / W)), BK / 32, true, w.ds16.data() + r * BK,
+                           BK * 2, 64, w.kp2.data() + 2 * c, dp * 4, 16 * dp * 4, w.dq.data() + (base + r) * dp + c,
+                           dp * 4);
+            return;
+        }
 #endif
 #if JS_BF16_BWD
-                if (dot16) {  // P and dS rounded to bf16 for their products, as on AMX
-                    if (n % 2) {  // the half pair's zero row
-                        std::fill(pb + n * BK, pb + (n + 1) * BK, 0.f);
-                        std::fill(dsb + n * BK, dsb + (n + 1) * BK, 0.f);
-                    }
-                    bf16_row_pairs(pb, n + n % 2, w.pvn.data());
-                    bf16_row_pairs(dsb, n + n % 2, w.dsvn.data());
-                    bf16_rows(dsb, n, w.ds16.data());
+        if (dot16) {  // P and dS rounded to bf16 for their products, as on AMX
+            if (n % 2) {  // the half pair's zero row
+                std::fill(pb + n * BK, pb + (n + 1) * BK, 0.f);
+                std::fill(dsb + n * BK, dsb + (n + 1) * BK, 0.f);
+            }
+            bf16_row_pairs(pb, n + n % 2, w.pvn.data());
+            bf16_row_pairs(dsb, n + n % 2, w.dsvn.data());
+            bf16_rows(dsb, n, w.ds16.data());
 #define JS_DV16(RR, e) tacc_tile_bf16<RR>(w.doT.data() + (e) * rows + base, rows, n, reinterpret_cast<const uint32_t*>(w.pvn.data()), w.dvT.data() + (e) * BK)
-                    JS_FOR_TILES(static_cast<int>(dv), JS_DV16)  // dV^T += dO^T.P
+            JS_FOR_TILES(static_cast<int>(dv), JS_DV16)  // dV^T += dO^T.P
 #undef JS_DV16
 #define JS_DK16(RR, e) tacc_tile_bf16<RR>(w.qT.data() + (e) * rows + base, rows, n, reinterpret_cast<const uint32_t*>(w.dsvn.data()), w.dkT.data() + (e) * BK)
-                    JS_FOR_TILES(static_cast<int>(d), JS_DK16)  // dK^T += Q^T.dS (unscaled)
+            JS_FOR_TILES(static_cast<int>(d), JS_DK16)  // dK^T += Q^T.dS (unscaled)
 #undef JS_DK16
-                    const int kpairs = (nk + 1) / 2;  // dS is 0 past nk, K pairs are 0 past nk
+            const int kpairs = (nk + 1) / 2;  // dS is 0 past nk, K pairs are 0 past nk
 #define JS_DQ16(RR, r)                                                                                             \
     column_chunks(dp, [&](auto nv, int64_t c) {                                                                   \
         pv_tile_bf16<RR, decltype(nv)::value>(w.ds16.data() + (r) * BK, kOnes, kpairs, w.kp2.data() + 2 * c, dp,  \
                                               w.dq.data() + (base + (r)) * dp + c);                                \
     })
-                    JS_FOR_TILES(n, JS_DQ16)  // dQ += dS.K
+            JS_FOR_TILES(n, JS_DQ16)  // dQ += dS.K
 #undef JS_DQ16
-                    continue;
-                }
-#endif
-                tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
-                tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
-#define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
-                JS_FOR_TILES(n, JS_DQ)
-#undef JS_DQ
-            }
+            return;
         }
+#endif
+        tpv(pb, n, nk, w.dout.data() + base * dvp, w.dv.data(), dvp);
+        tpv(dsb, n, nk, w.q.data() + base * dp, w.dk.data(), dp);
+#define JS_DQ(RR, r) xb_rows<RR>(dsb + r * BK, nk, w.kr.data(), w.dq.data() + (base + r) * dp, dp)
+        JS_FOR_TILES(n, JS_DQ)
+#undef JS_DQ
+    }
+
+    // The block's dK/dV (transposed back on AMX and dot16, dK^T scaled) into its cache rows, or into
+    // a shared block's accumulator rows.
+    void store_block(int64_t kb, int nk, SharedBlocks* shared) {
 #if JS_BF16_BWD
         if (amx || dot16) {  // dK^T (scaled) and dV^T into key rows
             transpose_into(w.dkT.data(), dp, p.scale, w.dk.data());
@@ -766,17 +793,61 @@ void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, Sha
             for (int64_t e = 0; e < dv; ++e) dvs[e] = IO::st(w.dv[j * dvp + e]);
         }
     }
-#if JS_AMX
-    if (amx) _tile_release();
-#endif
-    for (int64_t gi = 0; gi < group; ++gi) {
-        const int64_t h = hk * group + gi;
-        for (int64_t i = 0; i < len_q; ++i) {
-            T* dqs = static_cast<T*>(g.dq) + (q0 + i) * g.dq_tok + h * g.dq_head;
-            const float* src = w.dq.data() + (gi * lq + i) * dp;
-            for (int64_t e = 0; e < d; ++e) dqs[e] = IO::st(src[e] * p.scale);
+
+    // dQ (scaled) of every query head's rows.
+    void store_dq() {
+        for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t h = hk * group + gi;
+            for (int64_t i = 0; i < len_q; ++i) {
+                T* dqs = static_cast<T*>(g.dq) + (q0 + i) * g.dq_tok + h * g.dq_head;
+                const float* src = w.dq.data() + (gi * lq + i) * dp;
+                for (int64_t e = 0; e < d; ++e) dqs[e] = IO::st(src[e] * p.scale);
+            }
         }
     }
+};
+
+// The backward of one work item (sequence b, kv head hk), phase by phase (GradItem). sink_part:
+// with sinks and g.dsinks, where sink_grads puts this item's sums.
+template <class IO>
+void grad_item(const JsGradParams& g, int64_t b, int64_t hk, GradScratch& w, SharedBlocks* shared,
+               double* sink_part) {
+    typedef typename IO::T T;
+    GradItem<IO> it(g, b, hk, w);
+    if (it.empty()) return;
+    const JsParams& p = g.f;
+    it.gather_rows();
+    it.correct_lse();
+    if (sink_part) it.sink_grads(sink_part);
+#if JS_AMX
+    if (it.amx) amx_configure();
+#endif
+    for (int64_t kb = 0; kb < it.len_k; kb += BK) {
+        const int nk = static_cast<int>(std::min<int64_t>(BK, it.len_k - kb));
+        int64_t c_begin, c_end;
+        if (!it.block_rows(kb, nk, c_begin, c_end)) continue;  // dK/dV rows of this block stay 0
+        const KeyRows<T> krows = k_rows<T>(p, b, kb, hk), vrows = v_rows<T>(p, b, kb, hk);
+        it.pack_block(krows, vrows, nk);
+        for (int64_t gi = 0; gi < it.group; ++gi) {
+            const int64_t h = hk * it.group + gi;
+            const float slope = p.slopes ? p.slopes[b * p.slopes_batch_stride + h] : 0.f;
+            const RowRule rule{p, kb, it.len_k, nk, slope, b, h, it.shift};
+            for (int64_t c0 = c_begin; c0 < c_end; c0 += BQ_BWD) {
+                const int n = static_cast<int>(std::min<int64_t>(BQ_BWD, c_end - c0));
+                const int64_t base = gi * it.lq + c0;  // scratch row of the chunk's first row
+                float* pb = w.p.data();
+                float* dsb = w.ds.data();
+                it.products(base, n, krows, nk, pb, dsb);
+                it.probabilities(base, n, c0, h, kb, nk, rule, pb, dsb);
+                it.accumulate(base, n, nk, pb, dsb);
+            }
+        }
+        it.store_block(kb, nk, shared);
+    }
+#if JS_AMX
+    if (it.amx) _tile_release();
+#endif
+    it.store_dq();
 }
 
 template <class IO>

@@ -228,7 +228,9 @@ def _build() -> Path:
               f"{BUILD_TIME_NOTE}) into {target}")
     start = time.perf_counter()
     try:
-        proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        # A hung compiler must not hang the first call; the instrumented build is several times slower.
+        limit = 900 if os.environ.get(SANITIZE_ENV) else 300
+        proc = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=limit)
         if proc.returncode:
             raise NativeUnavailable(f"{cxx} failed to build {SOURCE.name} for -march={arch}: "
                                     f"{_compile_error(proc.stderr)}")

@@ -47,9 +47,9 @@ def _asan_env(**extra):
         pytest.skip("no libasan.so next to the C++ compiler (g++ -print-file-name=libasan.so)")
     env = dict(os.environ, JAGGED_SDPA_SANITIZE=SANITIZE, **extra)
     env.pop("LD_PRELOAD", None)
-    # native.py gives the compiler 300 s itself; the child waits longer, so that a slow build (the
+    # native.py gives the instrumented build 900 s itself; the child waits longer, so that a slow build (the
     # instrumented -O1 build on a loaded machine) fails with native.py's own message, not a timeout here.
-    build = run_child("from jagged_sdpa.backends.cpu import native; print(native._build())", env=env, timeout=900)
+    build = run_child("from jagged_sdpa.backends.cpu import native; print(native._build())", env=env, timeout=1000)
     assert build.returncode == 0 and "attention-sanitize-" in build.stdout, build.stdout[-3000:]
     env.update(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")

@@ -133,6 +133,35 @@ inline __attribute__((always_inline)) nvf row_ldn(const typename IO::T* p) {
 #endif
     return IO::ldn(p);
 }
+// 2 NL elements: IO::ld2n where the type has one (fp8: one load for both), else two row_ldn.
+template <class IO, class = void>
+struct has_ld2n : std::false_type {};
+template <class IO>
+struct has_ld2n<IO, std::void_t<decltype(IO::ld2n(nullptr))>> : std::true_type {};
+template <class IO>
+inline __attribute__((always_inline)) nvf2 row_ld2n(const typename IO::T* p) {
+    if constexpr (has_ld2n<IO>::value)
+        return IO::ld2n(p);
+    else
+        return nvf2{row_ldn<IO>(p), row_ldn<IO>(p + NL)};
+}
+
+// NL floats at p in a register that its uses share: left to itself GCC folded the load into each
+// FMA that reads it (one load per FMA, where group_scores shares q between NK keys), and the loads
+// bounded the products (two 32-byte loads a cycle on Zen 3; 1 FMA a cycle where 2 is the peak).
+template <int Uses>
+inline __attribute__((always_inline)) nvf held_n(const float* p) {
+    nvf r;
+    std::memcpy(&r, p, sizeof r);
+    if constexpr (Uses > 1) {
+#if defined(__x86_64__) || defined(__i386__)
+        asm("" : "+x"(r));
+#elif defined(__aarch64__)
+        asm("" : "+w"(r));
+#endif
+    }
+    return r;
+}
 
 // s[h * ls + j] = q_h . k_j for h < NH query rows (float32, pre-scaled, qd apart) and j < NK key
 // rows kr[j] + off, NH * NK <= 8 accumulators: each key register is loaded once for the NH heads.
@@ -145,12 +174,24 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
     nvf acc[NH * NK];
     for (int i = 0; i < NH * NK; ++i) acc[i] = nvf{};
     int64_t e = 0;
+    if constexpr (has_ld2n<IO>::value)  // the same chains: register e, then e + NL
+        for (; e + 2 * NL <= d; e += 2 * NL) {
+            nvf2 kv[NK];
+            for (int j = 0; j < NK; ++j) kv[j] = row_ld2n<IO>(kr[j] + e);
+            for (int h = 0; h < NH; ++h) {
+                const nvf qq = held_n<NK>(q + h * qd + e);
+                for (int j = 0; j < NK; ++j) acc[h * NK + j] = fma_n(qq, kv[j].a, acc[h * NK + j]);
+            }
+            for (int h = 0; h < NH; ++h) {
+                const nvf qq = held_n<NK>(q + h * qd + e + NL);
+                for (int j = 0; j < NK; ++j) acc[h * NK + j] = fma_n(qq, kv[j].b, acc[h * NK + j]);
+            }
+        }
     for (; e + NL <= d; e += NL) {
         nvf kv[NK];
         for (int j = 0; j < NK; ++j) kv[j] = row_ldn<IO>(kr[j] + e);
         for (int h = 0; h < NH; ++h) {
-            nvf qq;
-            std::memcpy(&qq, q + h * qd + e, sizeof qq);
+            const nvf qq = held_n<NK>(q + h * qd + e);
             for (int j = 0; j < NK; ++j) acc[h * NK + j] = fma_n(qq, kv[j], acc[h * NK + j]);
         }
     }
@@ -169,29 +210,71 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
         }
 }
 
-// Prefetches every line of `bytes` of rows[i] for i in [i0, min(i1, n)). Direct rows read key
-// rows in a walk the hardware prefetchers start late on (each step's rows, then its value rows,
-// per kv head): a row read from DRAM stalled the products. Issued a block of rows at a time: a
-// test and a call per key row cost as many instructions as the products of a D64 row.
-inline void prefetch_rows(const void* const* rows, int i0, int i1, int n, int64_t bytes) {
-    for (int i = i0; i < std::min(i1, n); ++i) {
-        const char* r = static_cast<const char*>(rows[i]);
-        for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(r + e);
+// Prefetches a list of rows (`bytes` each from rows[i], i < n) line by line in order: direct rows
+// walk their key rows in an order the hardware prefetchers follow poorly (a block's rows head by
+// head, then its value rows), and on a paged cache every block of rows lies elsewhere; a row read
+// from DRAM stalled the products. Its owner keeps it a distance ahead of the reads (until: every
+// line up to a row, at each block) and paces it with the products (pace: a line per 64 bytes read),
+// never past row `cap`: a burst of prefetches stalls as a load does once the misses in flight fill
+// the core's buffers (a block's worth at a time spent a third of a bf16 decode on them).
+struct RowPrefetch {
+    const void* const* rows;
+    int64_t bytes;
+    int n = 0, i = 0, cap = 0;    // rows known, the next row to start, the last row pace may start
+    uintptr_t at = 0, end = 0;    // the row being prefetched: its next line and its end
+    int64_t credit = 0;           // bytes read that pace has not yet matched
+    bool line() {                 // the next line, if there is one before row `limit`
+        if (at >= end) {
+            if (i >= std::min(cap, n)) return false;
+            const uintptr_t a = reinterpret_cast<uintptr_t>(rows[i++]);
+            at = a & ~uintptr_t{63};
+            end = a + bytes;
+        }
+        __builtin_prefetch(reinterpret_cast<const void*>(at));
+        at += 64;
+        return true;
     }
-}
+    void until(int row) {  // every line of rows [.., min(row, n)), then pace up to row + ahead
+        const int keep = cap;
+        cap = row;
+        while (line()) {
+        }
+        cap = std::max(keep, row);
+        credit = 0;
+    }
+    void pace(int64_t read) {
+        for (credit += read; credit >= 64; credit -= 64)
+            if (!line()) {
+                credit = 0;
+                return;
+            }
+    }
+};
+struct NoPace {
+    void operator()(int) const {}
+};
 // Scores of nh query heads (rows qd apart) against n key rows kr[j] + off: s[h * ls + j]. Heads go
 // four at a time, keys as many as eight accumulators take.
-template <class IO>
-inline void group_scores_all(const float* q, int64_t qd, int nh, const typename IO::T* const* kr, int64_t off, int n,
-                             int64_t d, float* s, int64_t ls) {
+// between(keys) runs before each group of keys (direct_heads paces its prefetches there). Never
+// inlined, nor group_pv: inlined into direct_heads, their accumulators went through the stack on
+// every key (the e5m2 decode's P.V stored 8 registers a key).
+template <class IO, class Between = NoPace>
+__attribute__((noinline)) void group_scores_all(const float* q, int64_t qd, int nh, const typename IO::T* const* kr, int64_t off, int n,
+                             int64_t d, float* s, int64_t ls, Between&& between = Between{}) {
     for (int h0 = 0; h0 < nh; h0 += 4) {
         const float* qh = q + h0 * qd;
         float* sh = s + h0 * ls;
         auto run = [&](auto heads) {
             constexpr int NH = decltype(heads)::value, NK = 8 / NH;
             int j = 0;
-            for (; j + NK <= n; j += NK) group_scores<IO, NH, NK>(qh, qd, kr + j, off, d, sh + j, ls);
-            for (; j < n; ++j) group_scores<IO, NH, 1>(qh, qd, kr + j, off, d, sh + j, ls);
+            for (; j + NK <= n; j += NK) {
+                between(NK);
+                group_scores<IO, NH, NK>(qh, qd, kr + j, off, d, sh + j, ls);
+            }
+            for (; j < n; ++j) {
+                between(1);
+                group_scores<IO, NH, 1>(qh, qd, kr + j, off, d, sh + j, ls);
+            }
         };
         switch (std::min(4, nh - h0)) {
             case 4: run(std::integral_constant<int, 4>{}); break;
@@ -215,29 +298,36 @@ constexpr int PV_HEADS = PV_VECTORS;
 // vr[j] + off: NV vectors of columns of every head at a time, so each value register is loaded once for
 // the heads, in NH x NV (<= PV_VECTORS) vectors of accumulators: independent chains enough to hide
 // the FMAs' latency (one head alone takes 64 columns a pass).
-template <class IO, int NH>
-inline void group_pv(const float* pr, int64_t ls, const typename IO::T* const* vr, int64_t off, int n, int64_t dv,
-                     float* o, int64_t dvo) {
+// between(columns) runs before each pass over the keys.
+template <class IO, int NH, class Between = NoPace>
+__attribute__((noinline)) void group_pv(const float* pr, int64_t ls, const typename IO::T* const* vr, int64_t off, int n, int64_t dv,
+                     float* o, int64_t dvo, Between&& between = Between{}) {
     constexpr int NV = PV_VECTORS / NH > 1 ? PV_VECTORS / NH : 1;
     int64_t c = 0;
-    // Accumulators as one flat array of registers: an array of vf (struct vectors on narrower
-    // registers) was stored back to the stack after every FMA (8 stores a key on AVX2).
+    // Accumulators as one flat array of registers, loaded and stored by value: an array of vf
+    // (struct vectors on narrower registers), or one whose address memcpy took, was stored back to
+    // the stack after every FMA (8 stores a key on AVX2).
     auto pass = [&](auto vectors) {
         constexpr int nv = decltype(vectors)::value, nr = nv * NP;
+        between(nv * W);
         nvf acc[NH * nr];
         for (int h = 0; h < NH; ++h)
-            for (int u = 0; u < nr; ++u) std::memcpy(&acc[h * nr + u], o + h * dvo + c + u * NL, sizeof(nvf));
+            for (int u = 0; u < nr; ++u) acc[h * nr + u] = load_n(o + h * dvo + c + u * NL);
         for (int j = 0; j < n; ++j) {
             const typename IO::T* x = vr[j] + off + c;
             nvf xv[nr];
-            for (int u = 0; u < nr; ++u) xv[u] = row_ldn<IO>(x + u * NL);
+            for (int u = 0; u < nr; u += 2) {  // nr = nv * NP: even
+                const nvf2 x2 = row_ld2n<IO>(x + u * NL);
+                xv[u] = x2.a;
+                xv[u + 1] = x2.b;
+            }
             for (int h = 0; h < NH; ++h) {
                 const nvf pj = splat(pr[h * ls + j]).h[0];
                 for (int u = 0; u < nr; ++u) acc[h * nr + u] = fma_n(pj, xv[u], acc[h * nr + u]);
             }
         }
         for (int h = 0; h < NH; ++h)
-            for (int u = 0; u < nr; ++u) std::memcpy(o + h * dvo + c + u * NL, &acc[h * nr + u], sizeof(nvf));
+            for (int u = 0; u < nr; ++u) store_n(o + h * dvo + c + u * NL, acc[h * nr + u]);
         c += nv * W;
     };
     while (c + NV * W <= dv) pass(std::integral_constant<int, NV>{});
@@ -348,6 +438,73 @@ inline bool softmax_block(float* sh, int n, int np, float bm, float& m, float& l
     return true;
 }
 
+// The largest of s[0 .. n), skipping NaN (as std::max from -inf does): -inf when all are NaN or -inf.
+inline float block_max(const float* s, int n) {
+    vf vm = splat(-INFINITY);
+    int j = 0;
+    for (; j + W <= n; j += W) {
+        const vf x = loadu(s + j);
+        vm = select(x > vm, x, vm);
+    }
+    float bm = hmax(vm);
+    for (; j < n; ++j) bm = std::max(bm, s[j]);
+    return bm;
+}
+
+// What both decode-row walks (direct_row, direct_heads) share about query row r of sequence b:
+// where it is, the aligned position its masks see, its visible keys [lo, hi) (one range, so masks
+// are bounds) and its ALiBi slopes.
+struct DirectRow {
+    int64_t row, pos, lo, hi;
+    const float* slopes;
+    DirectRow(const JsParams& p, int64_t b, int64_t r) {
+        row = p.cu_q[b] + r;
+        const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b], len_k = key_count(p, b);
+        pos = r + (p.bottom_right ? len_k - len_q : 0);
+        slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
+        key_range(p, b, pos, len_k, &lo, &hi);
+    }
+    // Query heads h0 .. h0 + heads: float32 q rows scaled by `scale` into qv (D apart; pairs keep
+    // their bf16 q in place: qv null), running max -inf and sum 0, O (dvo columns a head) zero.
+    template <class IO>
+    void start(const JsParams& p, int64_t h0, int64_t heads, float scale, float* qv, float* m, float* l, float* o,
+               int64_t dvo) const {
+        typedef typename IO::QO QO;
+        const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + row * p.q_tok;
+        for (int64_t i = 0; i < heads; ++i) {
+            if (qv)
+                for (int64_t e = 0; e < p.head_dim; ++e) qv[i * p.head_dim + e] = QO::ld(q + (h0 + i) * p.q_head + e) * scale;
+            m[i] = -INFINITY;
+            l[i] = 0.f;
+        }
+        std::fill(o, o + heads * dvo, 0.f);
+    }
+    // Query head h's raw scores sh[0, n) of keys kb .. kb + n (room to np) to probabilities:
+    // softcap, ALiBi, the online softmax (softmax_block) and dropout. False when the block adds
+    // nothing (sh zero).
+    template <class IO>
+    bool probs(const JsParams& p, int64_t b, int64_t r, int64_t h, int64_t kb, int n, int np, float* sh, float& m, float& l,
+               float* o, int64_t dvo) const {
+        if (p.softcap > 0.f)
+            for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
+        if (slopes)
+            for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
+        if (!softmax_block<IO>(sh, n, np, block_max(sh, n), m, l, o, dvo)) return false;
+        if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
+        return true;
+    }
+    // Query heads h0 .. h0 + heads: out and lse from O, m, l (finish_row).
+    template <class IO>
+    void finish(const JsParams& p, int64_t h0, int64_t heads, const float* o, int64_t dvo, const float* m,
+                const float* l) const {
+        typedef typename IO::QO QO;
+        typename QO::T* out = static_cast<typename QO::T*>(p.out) + row * p.o_tok;
+        for (int64_t i = 0; i < heads; ++i)
+            finish_row<QO>(o + i * dvo, m[i], l[i], sink_of(p, h0 + i), p.head_dim_v, out + (h0 + i) * p.o_head,
+                           p.lse ? p.lse + (h0 + i) * p.lse_head + row * p.lse_tok : nullptr);
+    }
+};
+
 #if JS_AVX512
 // O[dvo] += P[nb] . V[nb keys][dv] for a block of nb <= 16 keys (rows vr[j] + off). Pairs: P in
 // bf16 (zero past nb, nb rounded up to even), V rows interleaved two by two, and each 32-column
@@ -431,28 +588,17 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
     const T* v = static_cast<const T*>(p.v);
     const int64_t d = p.head_dim, dv = p.head_dim_v, heads = p.heads_q, group = p.heads_q / p.heads_kv;
     const int64_t dvo = direct_width<IO>(dv);
-    const int64_t row = p.cu_q[b] + r;
-    const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-    const int64_t len_k = key_count(p, b);
-    const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
-    const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
+    const DirectRow w(p, b, r);
+    const int64_t lo = w.lo, hi = w.hi;
+    w.start<IO>(p, 0, heads, p.scale, pairs ? nullptr : qv, m, l, o, dvo);
     typedef typename IO::QO QO;
-    const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + row * p.q_tok;
-    for (int64_t h = 0; h < heads; ++h) {
-        if (!pairs)
-            for (int64_t e = 0; e < d; ++e) qv[h * d + e] = QO::ld(q + h * p.q_head + e) * p.scale;
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-    }
+    const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + w.row * p.q_tok;
     auto q_of = [&](int64_t h) -> const DirectQ<IO>* {  // pairs: the bf16 row in place
         if constexpr (pairs)
             return q + h * p.q_head;
         else
             return qv + h * d;
     };
-    std::fill(o, o + heads * dvo, 0.f);
-    int64_t lo, hi;
-    key_range(p, b, pos, len_k, &lo, &hi);
     // A step's K (then its V) over all kv heads stays within DIRECT_STEP_BYTES, so the memory-order
     // read below leaves it in L2 for the head-by-head blocks (32 heads x D128 decode, 32 keys a
     // step instead of 256: bf16 -20..35%, fp32 -25%; W4 unchanged).
@@ -492,14 +638,7 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
         }
         for (int64_t h = 0; h < heads; ++h) {
             float* sh = s + h * DIRECT_KEYS;
-            if (p.softcap > 0.f)
-                for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
-            if (slopes)
-                for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
-            float bm = -INFINITY;
-            for (int j = 0; j < n; ++j) bm = std::max(bm, sh[j]);
-            if (softmax_block<IO>(sh, n, np, bm, m[h], l[h], o + h * dvo, dvo) && p.dropout_p > 0.f)
-                apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
+            w.probs<IO>(p, b, r, h, kb, n, np, sh, m[h], l[h], o + h * dvo, dvo);
 #if JS_BF16_DOT
             if constexpr (pairs)  // P rounded to bf16 for P.V, as the bf16 tiles round it
                 for (int j = 0; j < np; j += 2 * W)
@@ -517,127 +656,150 @@ void direct_row(const JsParams& p, int64_t b, int64_t r, float* qv, float* s, fl
                               o + h * dvo);
         }
     }
-    typename QO::T* out = static_cast<typename QO::T*>(p.out) + row * p.o_tok;
-    for (int64_t h = 0; h < heads; ++h) {
-        direct_unpermute<IO>(o + h * dvo, dvo);
-        finish_row<QO>(o + h * dvo, m[h], l[h], sink_of(p, h), dv, out + h * p.o_head,
-                       p.lse ? p.lse + h * p.lse_head + row * p.lse_tok : nullptr);
-    }
+    for (int64_t h = 0; h < heads; ++h) direct_unpermute<IO>(o + h * dvo, dvo);
+    w.finish<IO>(p, 0, heads, o, dvo, m, l);
 }
 #endif
 
 #if !JS_AVX512
-// The largest of s[0 .. n), skipping NaN (as std::max from -inf does): -inf when all are NaN or -inf.
-inline float block_max(const float* s, int n) {
-    vf vm = splat(-INFINITY);
-    int j = 0;
-    for (; j + W <= n; j += W) {
-        const vf x = loadu(s + j);
-        vm = select(x > vm, x, vm);
-    }
-    float bm = hmax(vm);
-    for (; j < n; ++j) bm = std::max(bm, s[j]);
-    return bm;
-}
-
 // Whether direct rows take each kv head as its own work item (direct_heads): where a kv head's keys
 // lie apart from the other heads' (a dense cache, (B, Hkv, S, D)), so that an item reads one stretch
 // of memory. Where a token's heads lie together (packed q/k/v, a paged cache), one item takes every
 // kv head, key block by key block, and so reads each token's row of heads at once.
 inline bool direct_per_kv_head(const JsParams& p) { return p.heads_kv > 1 && p.k_head >= p.k_tok && p.v_head >= p.v_tok; }
 
+// Whether an e4m3fn NaN lies in rows[j] + g * hs, len bytes each, for j < n and g < ng.
+inline bool e4m3_nan_rows(const uint8_t* const* rows, int n, int64_t ng, int64_t hs, int64_t len) {
+    if (hs == len) {  // a token's heads lie together: one run a row
+        len *= ng;
+        ng = 1;
+    }
+    E4M3NanScan scan;
+    for (int j = 0; j < n; ++j)
+        for (int64_t g = 0; g < ng; ++g) scan.add(rows[j] + g * hs, len);
+    return scan.any();
+}
+
+// How far direct_heads' prefetches run ahead of its reads, in bytes of rows (and at least a block
+// and a half of rows).
+constexpr int64_t DIRECT_PREFETCH_BYTES = 32 * 1024;
+
 // A row attended on its own (decode: one query, or a few) on narrower registers: kv heads
 // [g0, g1) and the query heads that share them, no packing (nothing would reuse it). Keys go in
 // steps of p.direct_keys: their rows (one division a step, not a key), then, a block of keys at a
 // time, each kv head's scores for all its query heads (group_scores: each key row loaded once for
 // the group), the online softmax per head, then P.V the same way (group_pv: each value row loaded
-// once for the group). Its visible keys are one range, so masks are bounds.
+// once for the group). Every row is prefetched a fixed distance ahead, in the order the blocks read
+// them (RowPrefetch).
+// e4m3fn: K and V widen to their values times 2^-8 (E4M3x) and q and P carry the 2^8, exactly, so
+// every product is FP8<true>'s; a block's rows are first scanned for NaN, and only a block that
+// holds one widens with NaN lanes. (q over FLT_MAX / 256 stays as it is and its keys widen as FP8<true>.)
 // Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x direct_width), m and l (Hq).
 template <class IO>
 void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g1, float* qv, float* s, float* o,
                   float* m, float* l) {
     typedef typename IO::T T;
     static_assert(!direct_pairs<IO>, "pairs are AVX-512 only");
+    constexpr bool e4m3 = std::is_same<IO, E4M3>::value;
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
-    const int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
-    const int64_t h0 = g0 * group, heads = (g1 - g0) * group;  // query heads h0 .. h0 + heads
+    const int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv, ng = g1 - g0;
+    const int64_t h0 = g0 * group, heads = ng * group;  // query heads h0 .. h0 + heads
     const int64_t dvo = direct_width<IO>(dv);
-    const int64_t row = p.cu_q[b] + r;
-    const int64_t len_q = p.cu_q[b + 1] - p.cu_q[b];
-    const int64_t len_k = key_count(p, b);
-    const int64_t pos = r + (p.bottom_right ? len_k - len_q : 0);
-    const float* slopes = p.slopes ? p.slopes + b * p.slopes_batch_stride : nullptr;
-    typedef typename IO::QO QO;
-    const typename QO::T* q = static_cast<const typename QO::T*>(p.q) + row * p.q_tok;
-    for (int64_t i = 0; i < heads; ++i) {
-        for (int64_t e = 0; e < d; ++e) qv[i * d + e] = QO::ld(q + (h0 + i) * p.q_head + e) * p.scale;
-        m[i] = -INFINITY;
-        l[i] = 0.f;
+    const DirectRow w(p, b, r);
+    w.start<IO>(p, h0, heads, p.scale, qv, m, l, o, dvo);
+    bool q256 = false;
+    if constexpr (e4m3) {
+        float big = 0.f;
+        for (int64_t i = 0; i < heads * d; ++i) big = std::max(big, std::fabs(qv[i]));  // NaN: left out
+        q256 = big <= 0x1.fffffep+119f;
+        if (q256)
+            for (int64_t i = 0; i < heads * d; ++i) qv[i] *= 256.f;
     }
-    std::fill(o, o + heads * dvo, 0.f);
-    int64_t lo, hi;
-    key_range(p, b, pos, len_k, &lo, &hi);
     const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
-    // Keys a block: 32 for one kv head (its O loaded and stored once per block and head; its rows'
-    // prefetches, dist rows ahead, issued per block); 16 for several, so that a token's row of heads
-    // is read at once.
-    const int kblock = g1 - g0 == 1 ? 2 * W : W;
-    // Row pointers (at kv head g0): this step's K rows, its V rows, the next step's K rows, walked in
-    // that order with prefetches a few KB ahead of the loads (the hardware prefetchers start late on
-    // rows of one head among others: a row read from DRAM stalled the products).
+    // Keys a block: 32 for one kv head (its O loaded and stored once per block and head); 16 for
+    // several, so that a token's row of heads is read at once.
+    const int kblock = ng == 1 ? 2 * W : W;
+    // Row pointers (at kv head g0): this step's K rows, its V rows, the next step's K rows, the
+    // order they are read in.
     const void* rows[3 * DIRECT_KEYS];
     const T** kr = reinterpret_cast<const T**>(rows);
-    const int64_t span = std::max((g1 - g0 - 1) * p.k_head + d, (g1 - g0 - 1) * p.v_head + dv) * static_cast<int64_t>(sizeof(T));
-    const int dist = static_cast<int>(std::clamp<int64_t>(4096 / std::max<int64_t>(span, 1), 2, 64));
-    if (lo < hi) key_run(p, b, lo, static_cast<int>(std::min<int64_t>(step, hi - lo)), k, p.k_tok, p.k_block, g0 * p.k_head, kr);
-    for (int64_t kb = lo; kb < hi; kb += step) {
-        const int n = static_cast<int>(std::min<int64_t>(step, hi - kb));
+    const int64_t span = std::max((ng - 1) * p.k_head + d, (ng - 1) * p.v_head + dv) * static_cast<int64_t>(sizeof(T));
+    RowPrefetch pf{rows, span};
+    const int64_t k_read = span / ng;  // prefetched bytes a key row and kv head stands for
+    const int ahead = static_cast<int>(
+        std::clamp<int64_t>(DIRECT_PREFETCH_BYTES / std::max<int64_t>(span, 1), kblock + kblock / 2, 2 * DIRECT_KEYS));
+    if (w.lo < w.hi)
+        key_run(p, b, w.lo, static_cast<int>(std::min<int64_t>(step, w.hi - w.lo)), k, p.k_tok, p.k_block, g0 * p.k_head, kr);
+    for (int64_t kb = w.lo; kb < w.hi; kb += step) {
+        const int n = static_cast<int>(std::min<int64_t>(step, w.hi - kb));
         const int np = (n + W - 1) / W * W;  // scores and P padded to whole vectors
-        const int next = static_cast<int>(std::clamp<int64_t>(hi - kb - n, 0, step));
+        const int next = static_cast<int>(std::clamp<int64_t>(w.hi - kb - n, 0, step));
         const T** vr = kr + n;
         key_run(p, b, kb, n, v, p.v_tok, p.v_block, g0 * p.v_head, vr);
         if (next) key_run(p, b, kb + n, next, k, p.k_tok, p.k_block, g0 * p.k_head, vr + n);
-        if (kb == lo) prefetch_rows(rows, 0, dist, n, span);  // later steps': by the step before
+        pf.n = 2 * n + next;
         for (int j0 = 0; j0 < n; j0 += kblock) {
             const int nb = std::min(kblock, n - j0);
-            prefetch_rows(rows, j0 + dist, j0 + nb + dist, 2 * n, span);
-            for (int64_t g = g0; g < g1; ++g)
-                group_scores_all<IO>(qv + (g - g0) * group * d, d, static_cast<int>(group), kr + j0, (g - g0) * p.k_head, nb,
-                                     d, s + (g - g0) * group * DIRECT_KEYS + j0, DIRECT_KEYS);
+            pf.until(j0 + ahead);
+            auto scores = [&](auto io) {
+                typedef decltype(io) LD;
+                for (int64_t g = g0; g < g1; ++g)
+                    group_scores_all<LD>(qv + (g - g0) * group * d, d, static_cast<int>(group), kr + j0, (g - g0) * p.k_head,
+                                         nb, d, s + (g - g0) * group * DIRECT_KEYS + j0, DIRECT_KEYS,
+                                         [&](int keys) { pf.pace(keys * k_read); });
+            };
+            if constexpr (e4m3) {
+                if (!q256)
+                    scores(E4M3{});
+                else if (e4m3_nan_rows(kr + j0, nb, ng, p.k_head, d))
+                    scores(E4M3x<true>{});
+                else
+                    scores(E4M3x<false>{});
+            } else {
+                scores(IO{});
+            }
         }
         for (int64_t i = 0; i < heads; ++i) {
-            const int64_t h = h0 + i;
             float* sh = s + i * DIRECT_KEYS;
-            if (p.softcap > 0.f)
-                for (int j = 0; j < n; ++j) sh[j] = p.softcap * std::tanh(sh[j] / p.softcap);
-            if (slopes)
-                for (int j = 0; j < n; ++j) sh[j] -= slopes[h] * static_cast<float>(std::llabs(pos - (kb + j)));
-            if (!softmax_block<IO>(sh, n, np, block_max(sh, n), m[i], l[i], o + i * dvo, dvo)) continue;
-            if (p.dropout_p > 0.f) apply_dropout(p, b, h, r, kb, n, sh);  // l sums P before dropout
+            w.probs<IO>(p, b, r, h0 + i, kb, n, np, sh, m[i], l[i], o + i * dvo, dvo);
+            if constexpr (e4m3)  // P carries the 2^8 its values lack (E4M3x)
+                for (int j = 0; j < np; ++j) sh[j] *= 256.f;
         }
         for (int j0 = 0; j0 < n; j0 += kblock) {
             const int nb = std::min(kblock, n - j0);
-            prefetch_rows(rows + n, j0 + dist, j0 + nb + dist, n + next, span);
-            for (int64_t i = 0, nh; i < heads; i += nh) {  // up to PV_HEADS query heads of one group
-                nh = std::min<int64_t>(PV_HEADS, group - i % group);
-                const int64_t off = (i / group) * p.v_head;
-                const float* pr = s + i * DIRECT_KEYS + j0;
-                float* oi = o + i * dvo;
-                switch (nh) {
-                    case 4: group_pv<IO, 4>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
-                    case 3: group_pv<IO, 3>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
-                    case 2: group_pv<IO, 2>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
-                    default: group_pv<IO, 1>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo); break;
+            pf.until(n + j0 + ahead);
+            auto pv = [&](auto io) {
+                typedef decltype(io) LD;
+                for (int64_t i = 0, nh; i < heads; i += nh) {  // up to PV_HEADS query heads of one group
+                    nh = std::min<int64_t>(PV_HEADS, group - i % group);
+                    const int64_t off = (i / group) * p.v_head;
+                    const float* pr = s + i * DIRECT_KEYS + j0;
+                    float* oi = o + i * dvo;
+                    // A pass reads nb x columns of the group's V rows, shared by its group / nh passes.
+                    auto between = [&, nh](int columns) { pf.pace(nb * columns * static_cast<int64_t>(sizeof(T)) * nh / group); };
+                    switch (nh) {
+                        case 4: group_pv<LD, 4>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, between); break;
+                        case 3: group_pv<LD, 3>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, between); break;
+                        case 2: group_pv<LD, 2>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, between); break;
+                        default: group_pv<LD, 1>(pr, DIRECT_KEYS, vr + j0, off, nb, dv, oi, dvo, between); break;
+                    }
                 }
+            };
+            if constexpr (e4m3) {
+                if (e4m3_nan_rows(vr + j0, nb, ng, p.v_head, dv))
+                    pv(E4M3x<true>{});
+                else
+                    pv(E4M3x<false>{});
+            } else {
+                pv(IO{});
             }
         }
         std::copy(vr + n, vr + n + next, kr);  // the next step's K rows
+        pf.i = std::max(pf.i - 2 * n, 0);
+        pf.n = next;
     }
-    typename QO::T* out = static_cast<typename QO::T*>(p.out) + row * p.o_tok;
-    for (int64_t i = 0; i < heads; ++i)
-        finish_row<QO>(o + i * dvo, m[i], l[i], sink_of(p, h0 + i), dv, out + (h0 + i) * p.o_head,
-                       p.lse ? p.lse + (h0 + i) * p.lse_head + row * p.lse_tok : nullptr);
+    w.finish<IO>(p, h0, heads, o, dvo, m, l);
 }
 #endif
 

@@ -171,6 +171,11 @@ JS_VEXP_INLINE vf vexp(vf x) {
     return select(under, splat(0.0f), y);
 }
 
+// Two registers of floats (direct rows widen two at a time where one load serves both).
+struct nvf2 {
+    nvf a, b;
+};
+
 // Element access for the three input dtypes; computation is float32.
 // ld16 widens 16 contiguous elements at once.
 struct F32 {
@@ -293,9 +298,101 @@ struct FP8 {
         return widen_halves((t + (t & 0x4000)) | (nan & 0x7e00)) * 256.f;
     }
     static vf ld16(const T* p) { return build([p](int i) { return ldn(p + i * NL); }); }
+    // 2 NL elements (direct rows' loads; e5m2 only, the e4m3 rows take E4M3x). x86: 16 bytes
+    // interleaved with zeros are their binary16s, no shift.
+    static nvf2 ld2n(const T* p) {
+#if defined(__F16C__) && JS_VEC_BYTES == 32
+        if constexpr (!E4M3) {
+            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+            return nvf2{reinterpret_cast<nvf>(_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), x))),
+                        reinterpret_cast<nvf>(_mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), x)))};
+        }
+#endif
+        return nvf2{ldn(p), ldn(p + NL)};
+    }
 };
 typedef FP8<true> E4M3;
 typedef FP8<false> E5M2;
+
+// e4m3fn bytes widened to their value times 2^-8: FP8<true>'s binary16 without its multiply by 256.
+// Direct rows (decoding) fold the 2^8 into q and P instead, which leaves every product, and so
+// every sum, bit for bit as FP8<true> gives them (a power of two scales exactly). NanLanes: S.1111.111
+// gives NaN, as FP8<true>; without it such a byte reads as 1.875 and the caller must know there is
+// none (E4M3NanScan), for 4 instructions fewer per register. x86: a byte interleaved above a zero
+// byte and shifted right by 1 (arithmetically) holds S at bits 15 and 14 and the magnitude at bits
+// 13-7; clearing bit 14 leaves the binary16: 3 instructions and the conversion a register, where
+// FP8<true> takes 10 (the same with 32-byte registers ran 35% slower: their sign extension and
+// extract compete with the conversions).
+template <bool NanLanes>
+struct E4M3x {
+    typedef uint8_t T;
+    static float ld(const T* p) {
+        const uint16_t b = *p;
+        const uint16_t h = static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+        half_t x;
+        std::memcpy(&x, &h, 2);
+        return NanLanes && (b & 0x7fu) == 0x7fu ? NAN : static_cast<float>(x);
+    }
+#if defined(__F16C__) && JS_VEC_BYTES == 32
+    static nvf halves(__m128i hi_bytes) {  // 8 bytes in the high halves of 16-bit lanes
+        __m128i h = _mm_and_si128(_mm_srai_epi16(hi_bytes, 1), _mm_set1_epi16(static_cast<short>(0xbf80)));
+        if (NanLanes) {
+            const __m128i mag = _mm_set1_epi16(0x3f80);
+            const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, mag), mag);
+            h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+        }
+        return reinterpret_cast<nvf>(_mm256_cvtph_ps(h));
+    }
+    static nvf ldn(const T* p) {
+        return halves(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    }
+    static nvf2 ld2n(const T* p) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return nvf2{halves(_mm_unpacklo_epi8(_mm_setzero_si128(), x)), halves(_mm_unpackhi_epi8(_mm_setzero_si128(), x))};
+    }
+#else
+    static nvf ldn(const T* p) {
+        const nvh w = widen_bytes(p);
+        const nvh t = w << 7;
+        nvh h = t + (t & 0x4000);
+        if (NanLanes) {
+            const nvh nan = (w & 0x7f) == 0x7f;
+            h |= nan & 0x7e00;
+        }
+        return widen_halves(h);
+    }
+    static nvf2 ld2n(const T* p) { return nvf2{ldn(p), ldn(p + NL)}; }
+#endif
+};
+
+// Whether runs of e4m3fn bytes hold a NaN (S.1111.111): add() each run, then any(). x86 with AVX2:
+// a running signed byte max (0x7f is the largest) and unsigned max (0xff), two instructions per 32
+// bytes, where NaN lanes in E4M3x take four per 8.
+struct E4M3NanScan {
+#if defined(__AVX2__)
+    __m256i smax = _mm256_set1_epi8(-128), umax = _mm256_setzero_si256();
+#endif
+    bool found = false;
+    void add(const uint8_t* p, int64_t n) {
+        int64_t i = 0;
+#if defined(__AVX2__)
+        for (; i + 32 <= n; i += 32) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+            smax = _mm256_max_epi8(smax, x);
+            umax = _mm256_max_epu8(umax, x);
+        }
+#endif
+        for (; i < n; ++i) found |= (p[i] & 0x7f) == 0x7f;
+    }
+    bool any() const {
+#if defined(__AVX2__)
+        const __m256i hit = _mm256_or_si256(_mm256_cmpeq_epi8(smax, _mm256_set1_epi8(0x7f)),
+                                            _mm256_cmpeq_epi8(umax, _mm256_set1_epi8(-1)));
+        if (_mm256_movemask_epi8(hit)) return true;
+#endif
+        return found;
+    }
+};
 
 #if JS_BF16_DOT
 // exp(x) for probabilities that are rounded to bf16 (8-bit mantissa) before their product: 2^f

@@ -61,6 +61,7 @@ __attribute__((noinline)) void tpv_tile(const float* x, int rows, int j0, const 
         nvf acc[RR][NP];
         for (int k = 0; k < RR; ++k)
             for (int i = 0; i < NP; ++i) acc[k][i] = load_n(acc_out + k * ldo + c * W + i * NL);
+#pragma GCC unroll 4
         for (int r = 0; r < rows; ++r) {
             nvf bb[NP];
             for (int i = 0; i < NP; ++i) bb[i] = load_n(b + r * ldb + c * W + i * NL);

@@ -89,6 +89,7 @@ __attribute__((noinline)) void qk_tile(const float* qp, int64_t lda, int64_t d, 
         nvf acc[RR][NP];
         for (int r = 0; r < RR; ++r)
             for (int i = 0; i < NP; ++i) acc[r][i] = nvf{};
+#pragma GCC unroll 4
         for (int64_t e = 0; e < d; ++e) {
             nvf k[NP];
             for (int i = 0; i < NP; ++i) k[i] = load_n(kt + e * BK + c * W + i * NL);
@@ -109,6 +110,7 @@ __attribute__((noinline)) void pv_tile(const float* pb, const float* alpha, int 
         nvf acc[RR][NP];
         for (int r = 0; r < RR; ++r)
             for (int i = 0; i < NP; ++i) acc[r][i] = load_n(o + r * dvp + c * W + i * NL) * splat_n(alpha[r]);
+#pragma GCC unroll 4
         for (int j = 0; j < nk; ++j) {
             nvf vv[NP];
             for (int i = 0; i < NP; ++i) vv[i] = load_n(vp + j * dvp + c * W + i * NL);
@@ -174,6 +176,7 @@ inline float sink_of(const JsParams& p, int64_t h) { return p.sinks ? p.sinks[h]
 // row (O is rescaled by the caller). plain: every row sees the whole block and no softcap/ALiBi
 // applies (no per-score rule), so pre (> 0) rides in the exponent; otherwise the row is scaled first.
 // The alphas are one vexp for all rows (a scalar exp per row cost ~5% of a bf16 call).
+#if JS_VEC_BYTES == 64
 template <class IO>
 inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
                          int64_t pos0, float pre) {
@@ -211,6 +214,48 @@ inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bo
     storeu(alpha, vexp(loadu(m_old) - loadu(m_new)));
     for (int r = 0; r < rows; ++r) lv[r] = lv[r] * splat(alpha[r]) + sums[r];
 }
+#else
+// With narrower registers (AVX2, NEON) the rows go in two passes, every row's maximum first, then
+// the exponentials of all rows: row by row (as above), each row's exponentials waited on its
+// maximum (a chain of scalar maxima) and the next row's maximum on them. Same results.
+template <class IO>
+inline void softmax_rows(int rows, float* pb, float* m, vf* lv, float* alpha, bool plain, const RowRule& rule,
+                         int64_t pos0, float pre) {
+    alignas(64) float m_old[W], m_new[W], bms[W];
+    vf sums[W];
+    const bool scaled = !plain || !(pre > 0.f);
+    const float f = scaled ? 1.f : pre;
+    for (int r = 0; r < rows; ++r) {
+        float* row = pb + r * BK;
+        if (scaled) {
+            if (pre != 1.f)
+                for (int c = 0; c < 4; ++c) storeu(row + c * W, loadu(row + c * W) * splat(pre));
+            if (!plain) rule.apply(row, pos0 + r);
+        }
+        bms[r] = hmax(vmax(vmax(loadu(row), loadu(row + W)), vmax(loadu(row + 2 * W), loadu(row + 3 * W))));
+    }
+    for (int r = 0; r < rows; ++r) {
+        float* row = pb + r * BK;
+        m_old[r] = m_new[r] = 0.f;  // a row that sees no key of this block: alpha 1, P 0
+        sums[r] = splat(0.f);
+        if (adds_nothing(bms[r], row, BK)) {
+            for (int c = 0; c < 4; ++c) storeu(row + c * W, splat(0.f));
+            continue;
+        }
+        m_old[r] = m[r];  // -inf before the row's first key: alpha 0 (O and l are still 0)
+        m_new[r] = m[r] = std::max(m[r], bms[r] * f);
+        const vf fv = splat(f), mv = splat(m[r]);
+        for (int c = 0; c < 4; ++c) {
+            const vf e = prob_exp<IO>(loadu(row + c * W) * fv - mv);
+            storeu(row + c * W, e);
+            sums[r] += e;
+        }
+    }
+    for (int r = rows; r < W; ++r) m_old[r] = m_new[r] = 0.f;
+    storeu(alpha, vexp(loadu(m_old) - loadu(m_new)));
+    for (int r = 0; r < rows; ++r) lv[r] = lv[r] * splat(alpha[r]) + sums[r];
+}
+#endif
 
 // One micro-tile: RR query rows against one packed key block: S = Q.K^T, the online-softmax
 // update of (m, l), then O = alpha * O + P.V.

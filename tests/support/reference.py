@@ -1,7 +1,8 @@
 """Float64 per-sequence attention reference. Imports only torch and math: never jagged_sdpa.
 
 It is deliberately boring: an explicit loop over sequences, query rows' aligned positions written
-out once, an explicit boolean mask. Rows that see no key give out 0 and lse -inf.
+out once, an explicit boolean mask (every pair decided in Python integers, then made one tensor),
+and per head one softmax over the rows that see a key. Rows that see no key give out 0 and lse -inf.
 
 docs/api.md section 11, written from the contract's formulas (not from jagged_sdpa's position code):
 ``chunk_size`` C keeps (query, key) pairs whose chunk ids, Python's floor division of the aligned
@@ -19,11 +20,13 @@ import torch
 
 
 def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
-    """Boolean (Lq, Lk): True where query i may attend key j."""
+    """Boolean (Lq, Lk): True where query i may attend key j. (Each pair is decided in Python
+    integers, exact for windows up to and past 2^63, and the mask is made a tensor once.)"""
     shift = len_k - len_q if alignment == "bottom_right" else 0
-    keep = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    keep = []
     for i in range(len_q):
         pos = i + shift
+        row = []
         for j in range(len_k):
             ok = True
             if causal and j > pos:
@@ -32,22 +35,24 @@ def keep_mask(len_q, len_k, *, causal, alignment, window, device=None):
                 ok = False
             if window[1] >= 0 and j > pos + window[1]:
                 ok = False
-            keep[i, j] = ok
-    return keep
+            row.append(ok)
+        keep.append(row)
+    return torch.tensor(keep, dtype=torch.bool, device=device).reshape(len_q, len_k)
 
 
 def chunk_prefix_mask(keep, len_q, len_k, *, alignment, chunk_size=None, prefix=0):
     """``keep`` (Lq, Lk) with docs/api.md section 11's chunk rule ANDed in and the prefix rule ORed in."""
     shift = len_k - len_q if alignment == "bottom_right" else 0
-    keep = keep.clone()
+    device = keep.device
+    keep = keep.tolist()
     for i in range(len_q):
         pos = i + shift
         for j in range(len_k):
             if chunk_size is not None and math.floor(pos / chunk_size) != math.floor(j / chunk_size):
-                keep[i, j] = False
+                keep[i][j] = False
             if pos < prefix and j < prefix:
-                keep[i, j] = True
-    return keep
+                keep[i][j] = True
+    return torch.tensor(keep, dtype=torch.bool, device=device).reshape(len_q, len_k)
 
 
 def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignment="top_left",
@@ -100,18 +105,18 @@ def attention_reference(q, k, v, cu_q, cu_k, *, scale=None, causal=False, alignm
                 s = s - slope.double().to(q.device) * (i - j).abs()  # differentiable in the slopes
             s = s.masked_fill(~keep, -math.inf)
             sink = None if sinks is None else sinks[h].double().to(q.device)
-            for i in range(len_q):
-                row = s[i]
-                if not keep[i].any():
-                    if sink is not None:
-                        lse[h, qs + i] = sink
-                    continue
-                m = row.max() if sink is None else torch.maximum(row.max(), sink)
-                p = torch.exp(row - m)
-                total = p.sum() if sink is None else p.sum() + torch.exp(sink - m)
-                prob = p / total
-                if dropped is not None:
-                    prob = prob * dropped[h, i].double() / (1.0 - dropout_p)
-                out[qs + i, h] = prob @ vb
-                lse[h, qs + i] = m + torch.log(total)
+            if sink is not None:
+                lse[h, qs:qe] = sink                        # rows that see no key: lse sink_h, out 0
+            rows = keep.any(1).nonzero().squeeze(1)         # the rows that see a key, all at once
+            if rows.numel() == 0:
+                continue
+            s = s[rows]
+            m = s.amax(1, keepdim=True) if sink is None else torch.maximum(s.amax(1, keepdim=True), sink)
+            p = torch.exp(s - m)
+            total = p.sum(1, keepdim=True) if sink is None else p.sum(1, keepdim=True) + torch.exp(sink - m)
+            prob = p / total
+            if dropped is not None:
+                prob = prob * dropped[h][rows].double() / (1.0 - dropout_p)
+            out[qs + rows, h] = prob @ vb
+            lse[h, qs + rows] = (m + torch.log(total)).squeeze(1)
     return out, lse

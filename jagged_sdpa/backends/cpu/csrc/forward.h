@@ -90,6 +90,7 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
     uint16_t* vp2 = w.vp2.data();
     for (int r = 0; r < rows; ++r) {
         const typename QO::T* src = q + (q0 + r) * p.q_tok + it.h * p.q_head;
+        if (ROW_PREFETCH && r + PACK_AHEAD < rows) prefetch_row(src + PACK_AHEAD * p.q_tok, d * static_cast<int64_t>(sizeof(*src)));
         if (bf16_dot) {
             std::memcpy(qb + r * 2 * pairs, src, d * sizeof(T));
             std::fill(qb + r * 2 * pairs + d, qb + (r + 1) * 2 * pairs, static_cast<uint16_t>(0));
@@ -156,9 +157,12 @@ void run_item(const JsParams& p, const Item& it, Scratch& w) {
 #if JS_AMX
     if (amx) _tile_release();
 #endif
-    for (int r = 0; r < rows; ++r)
+    for (int r = 0; r < rows; ++r) {
+        if (ROW_PREFETCH && r + PACK_AHEAD < rows)
+            prefetch_row<true>(out + (q0 + r + PACK_AHEAD) * p.o_tok + it.h * p.o_head, dv * static_cast<int64_t>(sizeof(*out)));
         finish_row<QO>(o + r * dvp, m[r], hsum(lv[r]), sink_of(p, it.h), dv, out + (q0 + r) * p.o_tok + it.h * p.o_head,
                        p.lse ? p.lse + it.h * p.lse_head + (q0 + r) * p.lse_tok : nullptr);
+    }
 }
 
 // Orders work items longest first (dynamic scheduling then balances the threads: LPT) and

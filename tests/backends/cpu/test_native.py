@@ -447,16 +447,36 @@ def test_backward_scratch_bound_is_a_reason_for_gradient_calls_only(monkeypatch)
 
 
 def test_builds_into_its_cache_once(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(tmp_path))
+    """An empty cache gets one library, which loads; the next load takes it from the cache without
+    a second build (nor a stray file). The compiler is a stand-in that logs its arguments and copies
+    the suite's own library (the same g++ with the same flags built it, and every kernel test loads
+    it) to where ``-o`` points: the build's bookkeeping is what is tested here, not a second ~40 s
+    compile of the same source."""
+    built = native.library_path()
+    assert built is not None, native.unavailable_reason()
+    real = native._compiler()
+    runs = tmp_path / "runs"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then exec {real} --version; fi\n'
+                   f'echo "$@" >> {runs}\n'
+                   'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+                   f'cp {built} "$out"\n')
+    cxx.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JAGGED_SDPA_CACHE", str(cache))
+    monkeypatch.setenv("CXX", str(cxx))
     native.reset()
     try:
-        assert native.library() is not None
-        built = list(tmp_path.glob("attention-*.so"))
-        assert len(built) == 1
+        assert native.library() is not None, native.unavailable_reason()
+        built = list(cache.glob("attention-*.so"))
+        assert len(built) == 1 and native.library_path() == built[0]
+        assert runs.read_text().split() == [*native._flags(native.target_arch())[0], "-o",
+                                            runs.read_text().split()[-2], str(native.SOURCE)]
         stamp = built[0].stat().st_mtime_ns
         native.reset()
         assert native.library() is not None
-        assert built[0].stat().st_mtime_ns == stamp and list(tmp_path.glob("*")) == built
+        assert built[0].stat().st_mtime_ns == stamp and list(cache.glob("*")) == built
+        assert len(runs.read_text().splitlines()) == 1
     finally:
         monkeypatch.undo()
         native.reset()

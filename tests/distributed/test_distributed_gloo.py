@@ -1,8 +1,8 @@
 """Real gloo process groups with 2, 3 and 4 processes on this machine: one start per world size
 (fresh processes from a fork server, ``_context``) runs every case (FileStore in a tmp dir, a 60 s
-timeout on every collective, a join timeout), comparing every rank's out, lse, dq, dk, dv with the single-process call: bitwise for Ulysses
-without KV replication, the float64-reference tolerances otherwise. Bad plans and inputs must
-raise on every rank."""
+timeout on every collective, a join timeout), comparing every rank's out, lse, dq, dk, dv with the
+single-process call: bitwise for Ulysses without KV replication, the float64-reference tolerances
+otherwise. Bad plans and inputs must raise on every rank."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Real gloo process groups with 2, 3 and 4 processes on this machine: one start per world size
-(fresh processes from a fork server, ``_context``) runs every case (FileStore in a tmp dir, a 60 s
-timeout on every collective, a join timeout), comparing every rank's out, lse, dq, dk, dv with the
-single-process call: bitwise for Ulysses without KV replication, the float64-reference tolerances
-otherwise. Bad plans and inputs must raise on every rank."""
+(fresh processes from a fork server, ``support/forkserver.py``) runs every case (FileStore in a tmp
+dir, a 60 s timeout on every collective, a join timeout), comparing every rank's out, lse, dq, dk,
+dv with the single-process call: bitwise for Ulysses without KV replication, the float64-reference
+tolerances otherwise. Bad plans and inputs must raise on every rank."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions (the ranks' arguments, the queue)
 
 from support.distributed_cases import Case, reference64, tensors
-from support import distributed_gloo_worker
+from support import distributed_gloo_worker, forkserver
 
 REPO = str(Path(__file__).resolve().parents[2])
 RAGGED = (13, 5, 31, 1, 0, 17, 20)
@@ -76,17 +76,6 @@ ERRORS = [("wrong-world-plan", _wrong_world_plan, "ValueError", "plan"),
 
 
 @functools.lru_cache(maxsize=1)
-def _context():
-    """Fresh processes from a fork server that has imported torch (and torch._dynamo, which
-    jagged_sdpa imports) once: a spawned rank spent ~7 of its ~8 s of CPU importing them, for 9
-    ranks. The server forks before any torch op has run (no OpenMP pool to inherit); each rank then
-    imports jagged_sdpa from this worktree itself (distributed_gloo_worker)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-    return ctx
-
-
-@functools.lru_cache(maxsize=1)
 def _references():
     return [reference64(c, tensors(c)) for c in CASES]
 
@@ -94,7 +83,7 @@ def _references():
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_gloo_ranks_match_single_process(world_size, tmp_path):
-    ctx = _context()
+    ctx = forkserver.context()   # a spawned rank spent ~7 of its ~8 s of CPU importing torch
     queue = ctx.Queue()
     errors = [(name, make) for name, make, _, _ in ERRORS]
     procs = [ctx.Process(target=distributed_gloo_worker.main,

@@ -61,8 +61,14 @@ def guarded(t: torch.Tensor, side: str = "after") -> torch.Tensor:
 def run_child(code: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs python ``code`` in a child process, in the repository root, with tests/ (for ``support``)
     and the repository on its path; returns the finished process (stdout and stderr merged into
-    stdout)."""
+    stdout). Without ``env`` the child is forked from a server that has imported torch
+    (``support/forkserver.py``: ~1 s of CPU instead of ~8); with ``env`` (variables it must start
+    with: ``LD_PRELOAD``, ``JAGGED_SDPA_CPU_ARCH``) it is a fresh ``python -c``."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if env is None:
+        from support import forkserver
+
+        return forkserver.run_python(code, os.path.dirname(tests), [tests, os.path.dirname(tests)], timeout)
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [tests, os.path.dirname(tests)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -2,9 +2,11 @@
 per test process (``multiprocessing``'s "forkserver"), which imported torch, torch.distributed and
 torch._dynamo (jagged_sdpa imports it: ~7 of the ~8 s of CPU a fresh python spends before its first
 jagged_sdpa call) once, before any torch op ran (no OpenMP pool to inherit). A child still imports
-jagged_sdpa and the test helpers itself, from the parent's ``sys.path`` (this worktree first). The
-server starts from the parent's environment at first use: a child that needs other variables at
-its start (``LD_PRELOAD``, ``MALLOC_*``) must be an ordinary subprocess.
+jagged_sdpa and the test helpers itself, from the parent's ``sys.path`` (this worktree first), and
+runs with the parent's environment of the moment. What the server imported read the environment
+when it started (without ``TRITON_INTERPRET``: torch._dynamo imports triton, here compiled): a
+child that needs other variables at its start (``LD_PRELOAD``, ``MALLOC_*``, ``TRITON_INTERPRET``)
+must be an ordinary subprocess.
 Imports only the standard library.
 """
 
@@ -17,6 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+from multiprocessing import forkserver
+from unittest import mock
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
@@ -26,11 +30,16 @@ def context():
     """The fork-server context (the preload is set before the server's first start)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ):
+        os.environ.pop("TRITON_INTERPRET", None)
+        forkserver.ensure_running()
     return ctx
 
 
-def _exec_child(code: str, cwd: str, path: list, out_path: str) -> None:
+def _exec_child(code: str, cwd: str, path: list, env: dict, out_path: str) -> None:
     os.setsid()   # a group of its own: on a timeout the parent kills it and whatever it started
+    os.environ.clear()
+    os.environ.update(env)
     fd = os.open(out_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -46,7 +55,7 @@ def run_python(code: str, cwd: str, path: list, timeout: float) -> subprocess.Co
     subprocess's (an uncaught exception 1, ``sys.exit(n)`` n, a signal -signum);
     ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the child's group killed)."""
     with tempfile.NamedTemporaryFile("w+", suffix=".out") as out:
-        proc = context().Process(target=_exec_child, args=(code, cwd, list(path), out.name))
+        proc = context().Process(target=_exec_child, args=(code, cwd, list(path), dict(os.environ), out.name))
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:

@@ -252,8 +252,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     plan = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, return_lse, block_table, seqused_k, backend, chunk_size,
                         prefix_lens, cache_leftpad)
-    result = plan._run(q, k, v, alibi_slopes, sinks, k_scale, v_scale)
-    return (result.out, result.lse) if return_lse else result.out
+    return plan.run(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 # ----------------------------------------------------------------------------------------------

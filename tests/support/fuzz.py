@@ -1463,12 +1463,15 @@ class Stats:
     def add(self, case, status):
         if self.out is not None:
             print(f"DONE {case['index']} {case['backend']} {case['entry']} {int(bool(case['grad']))} {status} "
-                  f"{int(case.get('scores') == 'large')} {int(_has_options(case))}", file=self.out, flush=True)
+                  f"{int(case.get('scores') == 'large')} {int(_has_options(case))} {case.get('fp8', ['-'])[0]}",
+                  file=self.out, flush=True)
         keys = [case["backend"], f"{case['backend']}/{case['entry']}"]
         if case.get("scores") == "large":   # the large-logit mode, counted apart too
             keys += ["large", f"large/{case['backend']}"]
         if _has_options(case):              # docs/api.md section 11's options, counted apart too
             keys += ["options", f"options/{case['backend']}"]
+        if case.get("fp8"):                 # fp8 caches (docs/api.md section 13), counted apart too
+            keys += [case["fp8"][0], f"{case['fp8'][0]}/{case['backend']}"]
         for key in keys:
             r = self.rows[key]
             r["calls"] += 1
@@ -1549,9 +1552,10 @@ def _run_chunked(args):
             if line.startswith("START "):
                 last = int(line.split()[1])
             elif line.startswith("DONE "):
-                _, _, backend, entry, grad, status, large, options = line.split()
+                _, _, backend, entry, grad, status, large, options, fp8 = line.split()
                 stats.add({"backend": backend, "entry": entry, "grad": grad == "1",
-                           "scores": "large" if large == "1" else "normal", "prefix": options == "1"}, status)
+                           "scores": "large" if large == "1" else "normal", "prefix": options == "1",
+                           "fp8": None if fp8 == "-" else (fp8,)}, status)
             elif line.startswith(("KNOWN[", "FAIL ")):
                 classes[line[6:line.index("]")] if line.startswith("KNOWN[") else "NEW"] += 1
                 print(line, flush=True)

@@ -220,33 +220,34 @@ inline void group_scores(const float* q, int64_t qd, const typename IO::T* const
 struct RowPrefetch {
     const void* const* rows;
     int64_t bytes;
-    int n = 0, i = 0, cap = 0;    // rows known, the next row to start, the row pace stops at
+    int n = 0, i = 0, cap = 0;    // rows known, the next row to start, the last row pace may start
     uintptr_t at = 0, end = 0;    // the row being prefetched: its next line and its end
-    int64_t credit = 0;           // bytes read that pace has not yet matched with lines
-    bool next_row(int stop) {     // the next row, if one before min(stop, n) is left
-        if (i >= std::min(stop, n)) return false;
-        const uintptr_t a = reinterpret_cast<uintptr_t>(rows[i++]);
-        at = a & ~uintptr_t{63};
-        end = a + bytes;
+    int64_t credit = 0;           // bytes read that pace has not yet matched
+    bool line() {                 // the next line, if there is one before row `limit`
+        if (at >= end) {
+            if (i >= std::min(cap, n)) return false;
+            const uintptr_t a = reinterpret_cast<uintptr_t>(rows[i++]);
+            at = a & ~uintptr_t{63};
+            end = a + bytes;
+        }
+        __builtin_prefetch(reinterpret_cast<const void*>(at));
+        at += 64;
         return true;
     }
-    void until(int row) {  // every line of the rows before min(row, n)
-        for (;;) {
-            for (; at < end; at += 64) __builtin_prefetch(reinterpret_cast<const void*>(at));
-            if (!next_row(row)) break;
+    void until(int row) {  // every line of rows [.., min(row, n)), then pace up to row + ahead
+        const int keep = cap;
+        cap = row;
+        while (line()) {
         }
-        cap = std::max(cap, row);
+        cap = std::max(keep, row);
         credit = 0;
     }
-    void pace(int64_t read) {  // a line per 64 bytes read, up to row cap
-        credit += read;
-        while (credit >= 64) {
-            if (at >= end && !next_row(cap)) {
+    void pace(int64_t read) {
+        for (credit += read; credit >= 64; credit -= 64)
+            if (!line()) {
                 credit = 0;
                 return;
             }
-            for (; credit >= 64 && at < end; at += 64, credit -= 64) __builtin_prefetch(reinterpret_cast<const void*>(at));
-        }
     }
 };
 struct NoPace {
@@ -312,7 +313,6 @@ __attribute__((noinline)) void group_pv(const float* pr, int64_t ls, const typen
         nvf acc[NH * nr];
         for (int h = 0; h < NH; ++h)
             for (int u = 0; u < nr; ++u) acc[h * nr + u] = load_n(o + h * dvo + c + u * NL);
-#pragma GCC unroll 2
         for (int j = 0; j < n; ++j) {
             const typename IO::T* x = vr[j] + off + c;
             nvf xv[nr];
@@ -682,7 +682,7 @@ inline bool e4m3_nan_rows(const uint8_t* const* rows, int n, int64_t ng, int64_t
 
 // How far direct_heads' prefetches run ahead of its reads, in bytes of rows (and at least a block
 // and a half of rows).
-constexpr int64_t DIRECT_PREFETCH_BYTES = 64 * 1024;
+constexpr int64_t DIRECT_PREFETCH_BYTES = 32 * 1024;
 
 // A row attended on its own (decode: one query, or a few) on narrower registers: kv heads
 // [g0, g1) and the query heads that share them, no packing (nothing would reuse it). Keys go in

@@ -395,12 +395,6 @@ struct E4M3NanScan {
     void add(const uint8_t* p, int64_t n) {
         int64_t i = 0;
 #if defined(__AVX2__)
-        for (; i + 128 <= n; i += 128)
-            for (int u = 0; u < 128; u += 32) {
-                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + u));
-                smax = _mm256_max_epi8(smax, x);
-                umax = _mm256_max_epu8(umax, x);
-            }
         for (; i + 32 <= n; i += 32) {
             const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
             smax = _mm256_max_epi8(smax, x);

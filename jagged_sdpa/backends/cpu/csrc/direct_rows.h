@@ -305,7 +305,8 @@ __attribute__((noinline)) void group_pv(const float* pr, int64_t ls, const typen
     constexpr int NV = PV_VECTORS / NH > 1 ? PV_VECTORS / NH : 1;
     // Registers of columns a pass (NL each). AVX2, 3 or 4 heads: 12 accumulators, not 8, so that
     // more chains than the FMA latency times its issue rate are in flight (16 registers hold them).
-    constexpr int NR = JS_VEC_BYTES == 32 && (NH == 3 || NH == 4) ? 12 / NH : NV * NP;
+    // Not e5m2, whose pairs of registers share one load and unpack (an odd third cost more).
+    constexpr int NR = JS_VEC_BYTES == 32 && (NH == 3 || NH == 4) && !std::is_same<IO, E5M2>::value ? 12 / NH : NV * NP;
     int64_t c = 0;
     // Accumulators as one flat array of registers, loaded and stored by value: an array of vf
     // (struct vectors on narrower registers), or one whose address memcpy took, was stored back to

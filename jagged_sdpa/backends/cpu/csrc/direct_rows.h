@@ -230,7 +230,7 @@ struct RowPrefetch {
             at = a & ~uintptr_t{63};
             end = a + bytes;
         }
-        __builtin_prefetch(reinterpret_cast<const void*>(at));
+        __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);  // to L2: L1 cannot hold the distance
         at += 64;
         return true;
     }
@@ -303,35 +303,42 @@ template <class IO, int NH, class Between = NoPace>
 __attribute__((noinline)) void group_pv(const float* pr, int64_t ls, const typename IO::T* const* vr, int64_t off, int n, int64_t dv,
                      float* o, int64_t dvo, Between&& between = Between{}) {
     constexpr int NV = PV_VECTORS / NH > 1 ? PV_VECTORS / NH : 1;
+    // Registers of columns a pass (NL each). AVX2, 3 or 4 heads: 12 accumulators, not 8, so that
+    // more chains than the FMA latency times its issue rate are in flight (16 registers hold them).
+    // Not e5m2, whose pairs of registers share one load and unpack (an odd third cost more).
+    constexpr int NR = JS_VEC_BYTES == 32 && (NH == 3 || NH == 4) && !std::is_same<IO, E5M2>::value ? 12 / NH : NV * NP;
     int64_t c = 0;
     // Accumulators as one flat array of registers, loaded and stored by value: an array of vf
     // (struct vectors on narrower registers), or one whose address memcpy took, was stored back to
     // the stack after every FMA (8 stores a key on AVX2).
-    auto pass = [&](auto vectors) {
-        constexpr int nv = decltype(vectors)::value, nr = nv * NP;
-        between(nv * W);
+    auto pass = [&](auto regs) {
+        constexpr int nr = decltype(regs)::value;
+        between(nr * NL);
         nvf acc[NH * nr];
         for (int h = 0; h < NH; ++h)
             for (int u = 0; u < nr; ++u) acc[h * nr + u] = load_n(o + h * dvo + c + u * NL);
         for (int j = 0; j < n; ++j) {
             const typename IO::T* x = vr[j] + off + c;
             nvf xv[nr];
-            for (int u = 0; u < nr; u += 2) {  // nr = nv * NP: even
+            int u = 0;
+            for (; u + 2 <= nr; u += 2) {
                 const nvf2 x2 = row_ld2n<IO>(x + u * NL);
                 xv[u] = x2.a;
                 xv[u + 1] = x2.b;
             }
+            if (u < nr) xv[u] = row_ldn<IO>(x + u * NL);
             for (int h = 0; h < NH; ++h) {
                 const nvf pj = splat(pr[h * ls + j]).h[0];
-                for (int u = 0; u < nr; ++u) acc[h * nr + u] = fma_n(pj, xv[u], acc[h * nr + u]);
+                for (int v = 0; v < nr; ++v) acc[h * nr + v] = fma_n(pj, xv[v], acc[h * nr + v]);
             }
         }
         for (int h = 0; h < NH; ++h)
-            for (int u = 0; u < nr; ++u) store_n(o + h * dvo + c + u * NL, acc[h * nr + u]);
-        c += nv * W;
+            for (int v = 0; v < nr; ++v) store_n(o + h * dvo + c + v * NL, acc[h * nr + v]);
+        c += nr * NL;
     };
-    while (c + NV * W <= dv) pass(std::integral_constant<int, NV>{});
-    while (c + W <= dv) pass(std::integral_constant<int, 1>{});
+    while (c + NR * NL <= dv) pass(std::integral_constant<int, NR>{});
+    while (c + NP * NL <= dv) pass(std::integral_constant<int, NP>{});
+    while (c + NL <= dv) pass(std::integral_constant<int, 1>{});
     for (; c < dv; ++c)
         for (int h = 0; h < NH; ++h) {
             float a = o[h * dvo + c];
@@ -691,9 +698,10 @@ constexpr int64_t DIRECT_PREFETCH_BYTES = 32 * 1024;
 // the group), the online softmax per head, then P.V the same way (group_pv: each value row loaded
 // once for the group). Every row is prefetched a fixed distance ahead, in the order the blocks read
 // them (RowPrefetch).
-// e4m3fn: K and V widen to their values times 2^-8 (E4M3x) and q and P carry the 2^8, exactly, so
-// every product is FP8<true>'s; a block's rows are first scanned for NaN, and only a block that
-// holds one widens with NaN lanes. (q over FLT_MAX / 256 stays as it is and its keys widen as FP8<true>.)
+// e4m3fn: K and V widen to their values times 2^-120 (E4M3w; AVX2, no DAZ) or 2^-8 (E4M3x) and q
+// and P carry the power of two, exactly, so every product is FP8<true>'s; a block's rows are first
+// scanned for NaN, and only a block that holds one widens with NaN lanes. (q over FLT_MAX / 2^120
+// takes E4M3x's 2^8; over FLT_MAX / 256 none, and its keys widen as FP8<true>.)
 // Scratch: qv (Hq x D), s (Hq x DIRECT_KEYS), o (Hq x direct_width), m and l (Hq).
 template <class IO>
 void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g1, float* qv, float* s, float* o,
@@ -708,13 +716,19 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
     const int64_t dvo = direct_width<IO>(dv);
     const DirectRow w(p, b, r);
     w.start<IO>(p, h0, heads, p.scale, qv, m, l, o, dvo);
-    bool q256 = false;
+    // e4m3: q carries 2^120 (K as E4M3w), 2^8 (E4M3x) or nothing (E4M3), the largest it can;
+    // P carries 2^120 or 2^8 (V as E4M3w or E4M3x).
+    constexpr float wscale = 0x1p120f;
+    bool q256 = false, qwide = false;
+    const bool wide = e4m3 && e4m3_wide();
+    const float pscale = wide ? wscale : 256.f;
     if constexpr (e4m3) {
         float big = 0.f;
         for (int64_t i = 0; i < heads * d; ++i) big = std::max(big, std::fabs(qv[i]));  // NaN: left out
-        q256 = big <= 0x1.fffffep+119f;
-        if (q256)
-            for (int64_t i = 0; i < heads * d; ++i) qv[i] *= 256.f;
+        qwide = wide && big <= 0x1.fffffep+127f / wscale;
+        q256 = !qwide && big <= 0x1.fffffep+119f;
+        if (qwide || q256)
+            for (int64_t i = 0; i < heads * d; ++i) qv[i] *= qwide ? wscale : 256.f;
     }
     const int64_t step = std::clamp<int64_t>(p.direct_keys, 1, DIRECT_KEYS);
     // Keys a block: 32 for one kv head (its O loaded and stored once per block and head); 16 for
@@ -750,12 +764,12 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
                                          [&](int keys) { pf.pace(keys * k_read); });
             };
             if constexpr (e4m3) {
-                if (!q256)
+                if (!q256 && !qwide)
                     scores(E4M3{});
                 else if (e4m3_nan_rows(kr + j0, nb, ng, p.k_head, d))
-                    scores(E4M3x<true>{});
+                    qwide ? scores(E4M3w<true>{}) : scores(E4M3x<true>{});
                 else
-                    scores(E4M3x<false>{});
+                    qwide ? scores(E4M3w<false>{}) : scores(E4M3x<false>{});
             } else {
                 scores(IO{});
             }
@@ -763,8 +777,8 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
         for (int64_t i = 0; i < heads; ++i) {
             float* sh = s + i * DIRECT_KEYS;
             w.probs<IO>(p, b, r, h0 + i, kb, n, np, sh, m[i], l[i], o + i * dvo, dvo);
-            if constexpr (e4m3)  // P carries the 2^8 its values lack (E4M3x)
-                for (int j = 0; j < np; ++j) sh[j] *= 256.f;
+            if constexpr (e4m3)  // P carries the power of two its values lack (E4M3w, E4M3x)
+                for (int j = 0; j < np; ++j) sh[j] *= pscale;
         }
         for (int j0 = 0; j0 < n; j0 += kblock) {
             const int nb = std::min(kblock, n - j0);
@@ -788,9 +802,9 @@ void direct_heads(const JsParams& p, int64_t b, int64_t r, int64_t g0, int64_t g
             };
             if constexpr (e4m3) {
                 if (e4m3_nan_rows(vr + j0, nb, ng, p.v_head, dv))
-                    pv(E4M3x<true>{});
+                    wide ? pv(E4M3w<true>{}) : pv(E4M3x<true>{});
                 else
-                    pv(E4M3x<false>{});
+                    wide ? pv(E4M3w<false>{}) : pv(E4M3x<false>{});
             } else {
                 pv(IO{});
             }

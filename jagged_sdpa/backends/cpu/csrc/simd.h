@@ -384,6 +384,44 @@ struct E4M3x {
 #endif
 };
 
+#if defined(__AVX2__) && JS_VEC_BYTES == 32
+// x & m with m read from memory by the instruction itself: as a register constant it cost group_pv's
+// 12 accumulators a register, and GCC spilled one to the stack.
+inline __m256i and_mem(__m256i x, const uint32_t (&m)[8]) {
+    asm("vpand %1, %0, %0" : "+x"(x) : "m"(*reinterpret_cast<const __m256i*>(m)));
+    return x;
+}
+alignas(32) constexpr uint32_t kE4M3wBits[8] = {0x87f00000u, 0x87f00000u, 0x87f00000u, 0x87f00000u,
+                                                0x87f00000u, 0x87f00000u, 0x87f00000u, 0x87f00000u};
+// e4m3fn bytes widened to their value times 2^-120 by integer instructions alone: a byte sign-extended
+// to 32 bits and shifted left by 20 holds S at bit 31 and the magnitude in float32's low exponent and
+// high mantissa bits (EEEE = 0 lands on float32's subnormals, the same 2^-120 apart). Two shuffle-port
+// operations a register where E4M3x takes four (its conversion is two), which bounded the fp8 decode
+// rows. Exact only while float32 subnormals are (no DAZ): the caller checks MXCSR. NanLanes as E4M3x.
+template <bool NanLanes>
+struct E4M3w {
+    typedef uint8_t T;
+    static float ld(const T* p) { return E4M3x<NanLanes>::ld(p) * 0x1p-112f; }
+    static nvf ldn(const T* p) {
+        const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        __m256i h = and_mem(_mm256_slli_epi32(x, 20), kE4M3wBits);
+        if (NanLanes) {
+            const __m256i mag = _mm256_set1_epi32(0x07f00000);
+            const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(h, mag), mag);
+            h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi32(0x7fc00000)));
+        }
+        return reinterpret_cast<nvf>(_mm256_castsi256_ps(h));
+    }
+    static nvf2 ld2n(const T* p) { return nvf2{ldn(p), ldn(p + NL)}; }
+};
+// Whether the direct rows may widen fp8 with E4M3w / E5M2w now: not under DAZ.
+inline bool e4m3_wide() { return !(_mm_getcsr() & 0x40); }
+#else
+template <bool NanLanes>
+using E4M3w = E4M3x<NanLanes>;  // never taken (e4m3_wide): keeps the callers' branches compiling
+inline bool e4m3_wide() { return false; }
+#endif
+
 // Whether runs of e4m3fn bytes hold a NaN (S.1111.111): add() each run, then any(). x86 with AVX2:
 // a running signed byte max (0x7f is the largest) and unsigned max (0xff), two instructions per 32
 // bytes, where NaN lanes in E4M3x take four per 8.

@@ -55,7 +55,8 @@ class Case:
     """A dense fp8 cache (B, S, Hkv, D) as transformers lays it out, or the same keys in a paged
     cache with shuffled blocks; NaN bytes everywhere outside the rows' ranges."""
 
-    def __init__(self, dtype, q_dtype, scale_kind, *, paged: bool, seed: int = 0, magnitude: float = 1.0):
+    def __init__(self, dtype, q_dtype, scale_kind, *, paged: bool, seed: int = 0, magnitude: float = 1.0,
+                 q_magnitude: float = 1.0):
         g = torch.Generator().manual_seed(seed)
         self.paged = paged
         self.k_scale, self.v_scale = scales(scale_kind, seed)
@@ -73,7 +74,7 @@ class Case:
         # each row's used keys, dequantized (the reference's keys)
         self.k_rows = [dequantize(k8[b, s:s + n], self.k_scale) for b, (s, n) in enumerate(zip(STARTS, K_LENS))]
         self.v_rows = [dequantize(v8[b, s:s + n], self.v_scale) for b, (s, n) in enumerate(zip(STARTS, K_LENS))]
-        self.q = torch.randn(sum(Q_LENS), HEADS_Q, D, generator=g).to(q_dtype)
+        self.q = (torch.randn(sum(Q_LENS), HEADS_Q, D, generator=g) * q_magnitude).to(q_dtype)
         self.cu_q = torch.tensor([0] + [sum(Q_LENS[:i + 1]) for i in range(B)], dtype=torch.int32)
         self.seqused_k = torch.tensor(K_LENS, dtype=torch.int32)
         if not paged:
@@ -188,6 +189,32 @@ def test_fp8_cache_with_every_option(backend, option):
 def test_fp8_cache_huge_logits(backend, dtype):
     """Keys near the format's largest values: logits in the thousands, one-hot softmax rows."""
     check(backend, Case(dtype, torch.float32, "tensor", paged=False, seed=2, magnitude=60.0), causal=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("q_magnitude", [1e3, 1e5], ids=["q-1e3", "q-1e5"])
+def test_fp8_cache_large_queries(paged, q_magnitude):
+    """The compiled kernel folds 2^120 into q (times the softmax scale and k_scale: 1e3 gives ~40)
+    while that cannot overflow, else 2^8 (1e5 gives ~4,000) with another widening of the e4m3 keys;
+    both sides, with tiny keys (many subnormal codes). A build that always took 2^120 fails 1e5."""
+    check(Backend.CPU_FUSED, Case(torch.float8_e4m3fn, torch.float32, "tensor", paged=paged, seed=5, magnitude=0.05,
+                                  q_magnitude=q_magnitude), causal=True)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_fp8_cache_with_denormals_flushed(dtype):
+    """Under ``torch.set_flush_denormal(True)`` (DAZ and FTZ on x86) the kernel cannot widen e4m3
+    codes into float32 subnormals (DAZ would read them as 0): it takes another widening. Keys small
+    enough that many codes are subnormal; one thread, so the flag is the kernel's thread's."""
+    threads = torch.get_num_threads()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        torch.set_num_threads(1)
+        check(Backend.CPU_FUSED, Case(dtype, torch.float32, "head", paged=True, seed=6, magnitude=0.01), causal=True)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
 
 
 def test_plan_reads_fp8_caches_per_layer():

@@ -16,7 +16,8 @@ Contenders, timed interleaved in one process (round r times every contender once
             (create_block_mask; compiled once before timing, its compile time and the block mask's
             build time reported apart; forward only: it has no CPU backward)
 Every contender's output (and gradients, for forward+backward rows) is checked against ours. For
-decode rows (W4) the time of reading the same K/V once (k.sum() + v.sum()) is timed beside them.
+decode rows (W4) the time of reading the same K/V once (``read_once``: sums of their bytes viewed as
+int64 words) is timed beside them.
 
 GFLOP/s count attention honestly: 4 * D flops per visible (query, key) pair per head forward
 (causal pairs only: about half), forward+backward 3.5x the forward (the backward is 2.5x). Times
@@ -519,6 +520,14 @@ def _is_decode(w: Workload) -> bool:
     return all(n == 1 for n in w.q_lengths)
 
 
+def read_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as int64 words: their ``sum()`` is one read of ``t`` and nothing else (torch
+    vectorises int64 sums; a bf16 ``sum()`` widens every element and runs at about half the speed of
+    the read, uint8/int32 sums are not vectorised), the floor a decode call is compared with."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.int64) if flat.numel() * flat.element_size() % 8 == 0 else flat
+
+
 def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int, skip_slow_s: float,
                  names=CONTENDERS) -> Row:
     fns, (q, k, v), notes = build(w, names)
@@ -549,7 +558,8 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
             raise AssertionError(f"{w.name}: {name} disagrees with ours (relative error {err:.2e})")
         reps[name] = max(1, math.ceil(min_sample_s / max(cost[name], 1e-6)))
     if _is_decode(w):  # the floor of a decode step: reading its K/V once
-        fns["kv_read"] = lambda: (k.sum(), v.sum())
+        kw, vw = read_words(k), read_words(v)
+        fns["kv_read"] = lambda: (kw.sum(), vw.sum())
         t0 = time.perf_counter()
         fns["kv_read"]()
         cost["kv_read"] = time.perf_counter() - t0
@@ -780,12 +790,12 @@ def fp8_rows(rounds: int, min_sample_s: float, max_retries: int, base: Workload 
         args = (cu_q, None, 1, max(lens))
         e = jagged_sdpa.explain(q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale, **common)
         assert e.chosen == jagged_sdpa.Backend.CPU_FUSED, str(e)
-        k8w, v8w = k8.view(torch.int64), v8.view(torch.int64)
+        k8w, v8w, kbw, vbw = (read_words(t) for t in (k8, v8, kb, vb))
         fns = {
             "fp8": lambda: jagged_sdpa.varlen_attention(q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale, **common),
             "bf16": lambda: jagged_sdpa.varlen_attention(q, kb, vb, *args, **common),
             "fp8_read": lambda: (k8w.sum(), v8w.sum()),
-            "bf16_read": lambda: (kb.sum(), vb.sum()),
+            "bf16_read": lambda: (kbw.sum(), vbw.sum()),
         }
         with torch.no_grad():
             err = agree(fns["fp8"](), fns["bf16"](), torch.bfloat16)
@@ -853,7 +863,7 @@ def print_table(rows: list[Row], gemm: Optional[Gemm]) -> None:
               f"{best} | {best_s / m['ours']:.2f}x | {mem} | {r.repeated} |")
     for r in rows:
         if "kv_read" in r.medians:
-            print(f"# {_label(r.workload)}: reading its K/V once (k.sum() + v.sum()) {_ms(r.medians['kv_read'])} ms, "
+            print(f"# {_label(r.workload)}: reading its K/V once (int64 word sums) {_ms(r.medians['kv_read'])} ms, "
                   f"ours {r.medians['ours'] / r.medians['kv_read']:.2f}x that")
         for name, note in r.notes.items():
             print(f"# {_label(r.workload)}: {name}: {note}")

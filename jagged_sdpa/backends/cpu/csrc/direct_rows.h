@@ -336,7 +336,9 @@ __attribute__((noinline)) void group_pv(const float* pr, int64_t ls, const typen
             for (int v = 0; v < nr; ++v) store_n(o + h * dvo + c + v * NL, acc[h * nr + v]);
         c += nr * NL;
     };
-    while (c + NR * NL <= dv) pass(std::integral_constant<int, NR>{});
+    // Four registers left after passes of three: two of two, not three and one (one register a
+    // head is 4 chains, too few for the FMA latency). Each column still sums its keys in order.
+    while (c + NR * NL <= dv && !(NR == 3 && NP == 2 && dv - c == 4 * NL)) pass(std::integral_constant<int, NR>{});
     while (c + NP * NL <= dv) pass(std::integral_constant<int, NP>{});
     while (c + NL <= dv) pass(std::integral_constant<int, 1>{});
     for (; c < dv; ++c)

@@ -41,6 +41,18 @@ def best_us(fn, reps: int, rounds: int) -> float:
     return best * 1e6
 
 
+def used_runs(used_blocks: torch.Tensor) -> list[tuple[int, int]]:
+    """The used block ids as sorted runs [start, end) of consecutive ids, each id once (a read's
+    order does not matter)."""
+    ids = torch.unique(used_blocks).tolist()
+    runs, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            runs.append((start, a + 1))
+            start = b
+    return runs
+
+
 def read_once(caches, used_blocks: torch.Tensor):
     """A function that reads the used blocks of each paged cache in ``caches`` once: the floor of a
     decode call over them. Each cache is viewed as int64 words (whose sum torch vectorises; its
@@ -48,12 +60,7 @@ def read_once(caches, used_blocks: torch.Tensor):
     once here: a read and nothing else. ``index_select`` of the used blocks, the floor before,
     is a copy (a read, a write, and page faults on each fresh output) and measured 11 to 68 ms
     for the fp8 cache where one read takes about 6 ms."""
-    ids = torch.unique(used_blocks).tolist()   # sorted; the order of a read does not matter here
-    runs, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
-        if b != a + 1:
-            runs.append((start, a + 1))
-            start = b
+    runs = used_runs(used_blocks)
     words = [c.reshape(c.shape[0], -1).view(torch.int64) for c in caches]
 
     def read():
@@ -155,15 +162,20 @@ def dense_decode(dtype: torch.dtype, reps: int, rounds: int, layers: int = 32) -
     qs = [torch.randn(batch, hq, d, generator=gen).to(dtype) for _ in range(layers)]
     cu_q = torch.arange(batch + 1, dtype=torch.int32)
     valid = torch.arange(S)[None, :] >= leftpad[:, None]                       # (B, S)
-    rows = (torch.arange(batch * hkv)[:, None] * S + torch.arange(S)[None, :])[valid.repeat_interleave(hkv, 0)]
     mask = valid[:, None, None, :]
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), used.cumsum(0).to(torch.int32)])
     b_idx, s_idx = valid.nonzero(as_tuple=True)
 
+    # The floor: each layer's used K/V bytes read once, as int64 word sums over a buffer of the same
+    # size per layer and cache (the used rows are B x Hkv runs a layer: summed one by one, the floor
+    # would time Python calls; ``index_select`` of them is a copy, a write and page faults besides).
+    used_words = int(contexts.sum()) * hkv * d * torch.finfo(dtype).bits // 64
+    words = [[torch.empty(used_words, dtype=torch.int64).fill_(1) for _ in range(2)] for _ in range(layers)]
+
     def floor(n=layers):
-        for kc, vc in caches[:n]:
-            kc.view(-1, d).index_select(0, rows)
-            vc.view(-1, d).index_select(0, rows)
+        for kw, vw in words[:n]:
+            kw.sum()
+            vw.sum()
 
     def in_place(n=layers, fresh=False):
         u, lp = (used.clone(), leftpad.clone()) if fresh else (used, leftpad)

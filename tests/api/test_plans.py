@@ -495,3 +495,24 @@ def test_a_plan_run_from_several_threads_gives_each_its_own_numbers():
             t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert not wrong
+
+
+def test_spec_and_call_replace_copy_every_other_field():
+    """``replace`` (on the per-call hot path) is ``dataclasses.replace``: the
+    named fields changed, every other field the original's, the original untouched, an unknown
+    field a TypeError naming it."""
+    import dataclasses
+
+    from jagged_sdpa.spec import AttnSpec
+
+    q, cu = packed([3, 5], 2, 16), cu_of([3, 5])
+    call, _ = jagged_sdpa.plan(cu, cu, 5, 5, causal=True)._call(q, q, q, None, choose=False)
+    for obj, changes in ((call.spec, dict(causal=False, dropout_p=0.5)), (call, dict(q=q[:4], dropout_key=None))):
+        new = obj.replace(**changes)
+        assert type(new) is type(obj) and new is not obj
+        for field in dataclasses.fields(obj):
+            want = changes[field.name] if field.name in changes else getattr(obj, field.name)
+            assert getattr(new, field.name) is want, field.name
+        with pytest.raises(TypeError, match="nope"):
+            obj.replace(nope=1)
+    assert call.spec.causal and AttnSpec.replace.__qualname__ == "AttnSpec.replace"

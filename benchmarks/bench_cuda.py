@@ -40,6 +40,7 @@ PREFILL = [
 ]
 DECODE = ("decode B64 H32/8 D128 ctx~2k", 32, 8, 128, 64)
 OURS = ("flash_varlen", "efficient", "triton")
+FP8_DECODE = ("paged decode B16 H32/8 D128 ctx 1.5-2.5k block 16", 16, 32, 8, 128, 16)
 STATIC_BOUND = 131072  # a server's max_seqlen_q/_k for every decode step, whatever the batch holds
 
 
@@ -238,6 +239,51 @@ def host_overhead(reps: int) -> list:
     return rows
 
 
+def fp8_decode(reps: int, gen: torch.Generator, device: str = "cuda") -> list:
+    """Issue 29's decode batch over bf16, e4m3fn and e5m2 paged caches, next to one read of each
+    cache's bytes (int64 word sums: every block the table names is used, nothing else is held)."""
+    name, batch, hq, hkv, dim, block = FP8_DECODE
+    contexts = torch.randint(1500, 2501, (batch,), generator=gen).tolist()
+    blocks = sum(-(-n // block) for n in contexts)
+    perm = torch.randperm(blocks, generator=gen).to(device)
+    table = torch.zeros(batch, max(-(-n // block) for n in contexts), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(contexts):
+        used = -(-n // block)
+        table[b, :used] = perm[start:start + used]
+        start += used
+    seqused = torch.tensor(contexts, dtype=torch.int32, device=device)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(blocks, block, hkv, dim, device=device)
+    v = torch.randn(blocks, block, hkv, dim, device=device)
+    caches = {"bf16": (k.bfloat16(), v.bfloat16(), {})}
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = torch.full((hkv,), 0.05, device=device)
+        caches[str(fmt)[6:]] = ((k / scale[:, None]).to(fmt), (v / scale[:, None]).to(fmt),
+                                 {"k_scale": scale, "v_scale": scale})
+    fns, rows = {}, []
+    for label, (kc, vc, scales) in caches.items():
+        for backend in (None, "triton"):
+            def call(kc=kc, vc=vc, scales=scales, backend=backend):
+                return jagged_sdpa.varlen_attention(q, kc, vc, cu_q, None, 1, max(contexts), block_table=table,
+                                                    seqused_k=seqused, causal=True, backend=backend, **scales)
+            try:
+                call()
+            except NoBackendError as exc:
+                rows.append({"batch": name, "impl": f"{backend or 'default'} {label} cache",
+                             "skipped": str(exc).splitlines()[0]})
+                continue
+            fns[f"{backend or 'default'} {label} cache"] = call
+        words_k, words_v = kc.view(torch.int64), vc.view(torch.int64)
+        fns[f"read {label} cache once"] = lambda a=words_k, b=words_v: (a.sum(), b.sum())
+    times = timed(fns, reps, backward=False, grads={n: None for n in fns})
+    for impl, ms in times.items():
+        rows.append({"batch": name, "impl": impl, "fwd_ms": ms, "fwd_tflops": math.nan,
+                     "fwdbwd_ms": math.nan, "fwdbwd_tflops": math.nan})
+    return rows
+
+
 def print_tables(rows, overhead, device_name):
     print(f"\ndevice: {device_name}   torch {torch.__version__}   jagged_sdpa {jagged_sdpa.__version__}")
     print(f"{'batch':<32} {'impl':<18} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
@@ -276,6 +322,7 @@ def main(argv=None) -> int:
     bench_problem(f"{name} bounds {STATIC_BOUND}",
                   Problem([1] * batch, contexts, hq, hkv, dim, causal=True, bounds=(STATIC_BOUND, STATIC_BOUND)),
                   args.reps, rows)
+    rows += fp8_decode(args.reps, gen)
     overhead = host_overhead(200)
     print_tables(rows, overhead, torch.cuda.get_device_name())
     if args.json:

@@ -255,7 +255,8 @@ def check_no_autotuner_and_graph_capture():
     k = torch.randn(4 * 3000, hkv, d, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.arange(5, device="cuda", dtype=torch.int32)
     cu_k = torch.arange(5, device="cuda", dtype=torch.int32) * 3000
-    jagged_sdpa.varlen_attention(q, k, k, cu_q, cu_k, 1, 900, backend="triton")  # bucket 1024 (compiles)
+    cu_short = torch.arange(5, device="cuda", dtype=torch.int32) * 900  # max_seqlen_k must bound the lengths
+    jagged_sdpa.varlen_attention(q, k, k, cu_q, cu_short, 1, 900, backend="triton")  # bucket 1024 (compiles)
     torch.cuda.synchronize()
     start = time.perf_counter()
     graph = torch.cuda.CUDAGraph()

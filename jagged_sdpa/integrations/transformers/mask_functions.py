@@ -40,7 +40,9 @@ _SLIDING_BIDIRECTIONAL = _inner_code(masking_utils.sliding_window_bidirectional_
 _CHUNKED = _inner_code(masking_utils.chunked_overlay)
 _BLOCKWISE = _inner_code(masking_utils.blockwise_overlay)
 _PACKED = _inner_code(masking_utils.packed_sequence_mask_function)
-_REMAP = _inner_code(masking_utils.remap_positions_for_packed_sequence)
+# transformers >= 5.18 wraps packed sequences' mask functions to remap positions; 5.17 has no wrapper.
+_REMAP = (_inner_code(masking_utils.remap_positions_for_packed_sequence)
+          if hasattr(masking_utils, "remap_positions_for_packed_sequence") else None)
 _GEMMA3 = "transformers.models.gemma3.modeling_gemma3"
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from jagged_sdpa.backends.triton.mode import jit
 
-@triton.jit
+
+@jit
 def cu_ok(Ok, slot, Cu, n_seq, total, max_len, BLOCK: tl.constexpr):
     """Cu (n_seq + 1,): Cu[0] == 0, Cu[n_seq] == total, 0 <= Cu[b] <= total for every b, and
     0 <= Cu[b + 1] - Cu[b] <= max_len (in int64)."""
@@ -28,7 +30,7 @@ def cu_ok(Ok, slot, Cu, n_seq, total, max_len, BLOCK: tl.constexpr):
     tl.store(Ok + slot, 1 - bad)
 
 
-@triton.jit
+@jit
 def lengths_ok(Ok, slot, Lengths, n_seq, CapCu, cap_fixed, max_len, CAP_FROM_CU: tl.constexpr,
                BLOCK: tl.constexpr):
     """0 <= Lengths[b] <= capacity[b] (CapCu[b + 1] - CapCu[b], or cap_fixed) and <= max_len."""
@@ -46,7 +48,7 @@ def lengths_ok(Ok, slot, Lengths, n_seq, CapCu, cap_fixed, max_len, CAP_FROM_CU:
     tl.store(Ok + slot, 1 - bad)
 
 
-@triton.jit
+@jit
 def block_ids_ok(Ok, slot, Table, stride_b, stride_w, Used, n_seq, width, block_size, num_blocks,
                  BLOCK: tl.constexpr):
     """Program b: the first ceil(Used[b] / block_size) ids of table row b lie in [0, num_blocks)."""

@@ -1,8 +1,8 @@
 """TRITON: the project's own varlen attention kernels (``fwd.py``, ``bwd.py``; launch rules in ``launch_rules.py``).
 
 Triton decides between compiled and interpreted functions when ``@triton.jit`` runs: for its own
-library functions (``tl.cdiv``, ``tl.philox``) that is when ``triton`` is imported, for ours when
-the kernel modules are. So this module imports neither until a call needs them, never imports
+library functions (``tl.cdiv``, ``tl.philox``) that is when ``triton`` is imported; ours follow
+triton's own mode (``mode.py``). So this module imports neither until a call needs them, never imports
 triton where doing so would fix compiled mode in a CPU-only process, and explains a CPU call that
 cannot run because ``TRITON_INTERPRET=1`` was set too late.
 """
@@ -29,8 +29,8 @@ HEAD_DIM_MAX = 256
 
 
 def interpret_setting() -> Optional[str]:
-    """The TRITON_INTERPRET environment variable, read at call time; the only reader (the kernel
-    modules call it once, when they are imported, to record their mode)."""
+    """The TRITON_INTERPRET environment variable, read at call time (the kernels' mode is triton's
+    own, fixed when triton was imported: ``mode.py``)."""
     return os.environ.get("TRITON_INTERPRET")
 
 
@@ -47,9 +47,7 @@ def _interpreted_state() -> Optional[bool]:
     language = sys.modules.get("triton.language")
     if language is None:
         return None
-    interpreted = type(language.cdiv).__name__ == "InterpretedFunction"
-    kernels = sys.modules.get(_FWD_MODULE)
-    return interpreted and (kernels is None or kernels.INTERPRETED)
+    return type(language.cdiv).__name__ == "InterpretedFunction"  # ours follow it (mode.py)
 
 
 @functools.cache

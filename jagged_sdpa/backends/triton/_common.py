@@ -23,17 +23,19 @@ import triton.language as tl
 
 from jagged_sdpa.backends import keyed_dropout
 
+from jagged_sdpa.backends.triton.mode import jit
+
 # Stand-in for an unbounded window side: far beyond any sequence, far from int32 overflow.
 UNBOUNDED = 1 << 30
 
 
-@triton.jit
+@jit
 def _tanh(x):
     # 1 - 2 / (exp(2x) + 1) saturates cleanly to +-1 and needs no libdevice (the interpreter has none).
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+@jit
 def _dot(a, b, IEEE: tl.constexpr):
     # fp32 inputs would otherwise go through TF32 on Ampere+, far outside fp32 tolerances.
     if IEEE:
@@ -42,7 +44,7 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@jit
 def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, stride_kt, PAGED: tl.constexpr,
                  PAGE_SIZE: tl.constexpr):
     """int64 element offset of key j = offs_n of this sequence (without the head/dim part). A dense
@@ -56,7 +58,7 @@ def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, s
         return (start_k + offs_n).to(tl.int64) * stride_kt
 
 
-@triton.jit
+@jit
 def _fp8_to_f32(x, FP8: tl.constexpr):
     """fp8 bytes (uint8) to float32, exactly, by bit manipulation: FP8 1 = float8_e4m3fn (bias 7,
     S.1111.111 is NaN, no inf), 2 = float8_e5m2 (bias 15, inf and NaN at exponent 31). Decoded in
@@ -82,14 +84,14 @@ def _fp8_to_f32(x, FP8: tl.constexpr):
     return tl.where(special, special_bits.to(tl.float32, bitcast=True), value)
 
 
-@triton.jit
+@jit
 def _floor_div(a, c):
     """floor(a / c) for c > 0 and any sign of a. Triton's ``//`` truncates toward zero (C's rule),
     so only non-negative numerators are divided: a negative position is in chunk -1 or below."""
     return tl.where(a >= 0, a, 0) // c - tl.where(a < 0, (c - 1 - a) // c, 0)
 
 
-@triton.jit
+@jit
 def _visible_keys(pos, len_k, window_left, window_right, chunk_size, prefix_len,
                   HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr):
     """Keys [lo, hi) (0 <= lo, hi <= len_k; none when hi <= lo) seen by the row at aligned
@@ -109,7 +111,7 @@ def _visible_keys(pos, len_k, window_left, window_right, chunk_size, prefix_len,
     return tl.minimum(lo, len_k), tl.maximum(tl.minimum(hi, len_k), 0)
 
 
-@triton.jit
+@jit
 def _visible_rows(n0, n1, window_left, window_right, chunk_size, prefix_len,
                   HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr):
     """Aligned positions [lo, hi) of the rows that see some key of [n0, n1) (0 <= n0 < n1 <= len_k):
@@ -128,7 +130,7 @@ def _visible_rows(n0, n1, window_left, window_right, chunk_size, prefix_len,
     return lo, hi
 
 
-@triton.jit
+@jit
 def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left, window_right,
             chunk_size, prefix_len, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BAND: tl.constexpr,
             HAS_CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr, MASKED: tl.constexpr):
@@ -153,7 +155,7 @@ def _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, windo
     return s, tanh_s
 
 
-@triton.jit
+@jit
 def _sequence_bounds(CuQ, CuK, SeqUsedK, CacheLeftpad, b, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
                      DENSE: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
     """Sequence b's query rows and key rows (paged: keys start at 0 of its block table row; a dense
@@ -177,7 +179,7 @@ def _sequence_bounds(CuQ, CuK, SeqUsedK, CacheLeftpad, b, HAS_SEQUSED: tl.conste
     return start_q, len_q, start_k, len_k
 
 
-@triton.jit
+@jit
 def _cache_row(BlockTable, b, stride_btb, DENSE: tl.constexpr):
     """A dense cache's row of sequence b (its block table's one entry) as an int64, 0 otherwise."""
     row = b.to(tl.int64) * 0
@@ -186,7 +188,7 @@ def _cache_row(BlockTable, b, stride_btb, DENSE: tl.constexpr):
     return row
 
 
-@triton.jit
+@jit
 def _dropout_keep(key_seed, key_offset, b, rows, heads, offs_n, dropout_p):
     """``keyed_dropout``'s keep mask (rows x keys): uniform(philox((seed, offset); j, i, h, b)[0]) >= p,
     with i (rows) and j (offs_n) positions inside sequence b. The key words arrive as int32 bit

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
+from jagged_sdpa.backends.triton import autotune_setting
+from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
 from jagged_sdpa.backends.triton._common import (
     _cache_row, _dot, _dropout_keep, _scores, _sequence_bounds, _visible_keys, _visible_rows, alibi_args,
     dropout_key_args, head_dim_pad, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
@@ -39,7 +40,6 @@ from jagged_sdpa.backends.triton._common import (
 )
 from jagged_sdpa.spec import PackedCall
 
-INTERPRETED = interpret_setting() == "1"
 AUTOTUNE = autotune_setting()
 
 
@@ -107,7 +107,7 @@ _AUTOTUNE_KEY = ["max_seqlen_q_bucket", "max_seqlen_k_bucket", "HEAD_DIM", "HEAD
                  "HAS_CHUNK", "HAS_PREFIX", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
 
 
-@triton.jit
+@jit
 def _attn_bwd_delta(
     Out, DO, Delta,                                      # out, grad_out (total_q, Hq, Dv); delta float32 (Hq, total_q)
     CuQ,                                                 # int32 (B + 1,)
@@ -147,7 +147,7 @@ def _attn_bwd_delta(
     tl.store(Delta + head.to(tl.int64) * stride_lh + rows * stride_lt, delta, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, softcap, slope, window_left,
                    window_right, chunk_size, prefix_len, HAS_BAND: tl.constexpr, HAS_CHUNK: tl.constexpr,
                    HAS_PREFIX: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -163,7 +163,7 @@ def _probabilities(q, kT, lse, offs_m, offs_n, len_q, len_k, shift, sm_scale, so
     return p, tanh_s
 
 
-@triton.jit
+@jit
 def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
@@ -171,7 +171,7 @@ def _grad_scores(p, dp, delta, tanh_s, HAS_SOFTCAP: tl.constexpr):
     return ds
 
 
-@triton.jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
+@jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV,                     # tensors; lse/delta float32 (Hq, total_q)
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder, PrefixLens,     # int32 metadata, float32 slopes
@@ -282,7 +282,7 @@ def _attn_bwd_dkdv(
              mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
-@triton.jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
+@jit(do_not_specialize=["key_seed", "key_offset", "chunk_size"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ,
     CuQ, CuK, SeqUsedK, Alibi, SeqOrder, PrefixLens, CacheLeftpad, BlockTable,

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from jagged_sdpa.backends.triton import autotune_setting, interpret_setting
+from jagged_sdpa.backends.triton import autotune_setting
+from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
 from jagged_sdpa.backends.triton._common import (
     _cache_row, _dot, _dropout_keep, _fp8_to_f32, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
     dropout_key_args, fp8_args, head_dim_pad, kv_strides, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
@@ -38,9 +39,6 @@ from jagged_sdpa.backends.triton._common import (
 )
 from jagged_sdpa.spec import AttnOutput, PackedCall
 
-# Triton picks interpreted or compiled kernels when @triton.jit runs, i.e. when this module is
-# imported; the backend reads this to explain a CPU call that cannot be served.
-INTERPRETED = interpret_setting() == "1"
 AUTOTUNE = autotune_setting()
 
 
@@ -133,7 +131,7 @@ def _prune(configs, named_args, autotune=None, **kwargs):
     return kept or by_rule([c for c in configs if (c.kwargs["BLOCK_M"] <= 32) == small]) or configs[-1:]
 
 
-@triton.jit
+@jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos_q, row_valid, offs_d,
                offs_dv, start_k, len_k, lo, hi, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
@@ -185,7 +183,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
 
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
-@triton.jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
+@jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
                                "chunk_size", "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors

@@ -785,6 +785,49 @@ def test_reasons(monkeypatch):
     assert triton_impl.reasons(_spec(device_type="cuda", capability=(8, 0))) == ()
 
 
+_MODE_CHILD = """
+import os, sys, torch
+with_interp = sys.argv[1] == "interpreted"
+if with_interp:
+    os.environ["TRITON_INTERPRET"] = "1"
+import triton  # triton's own functions take this mode
+os.environ.pop("TRITON_INTERPRET", None)
+if not with_interp:
+    os.environ["TRITON_INTERPRET"] = "1"  # the opposite, set before our kernels are first imported
+from jagged_sdpa.backends.triton import _common, bwd, fwd
+from jagged_sdpa.checks import _device_kernels
+kinds = {type(f).__name__ for f in (_common._sequence_bounds, _common._scores, fwd._attn_fwd, bwd._attn_bwd_dq,
+                                    _device_kernels.cu_ok, triton.language.cdiv)}
+print(sorted(kinds), fwd.INTERPRETED)
+if with_interp:
+    import jagged_sdpa
+    os.environ["TRITON_INTERPRET"] = "1"
+    q = torch.randn(5, 2, 16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out = jagged_sdpa.varlen_attention(q, q, q, cu, cu, 3, 3, causal=True, backend="triton")
+    ref = jagged_sdpa.varlen_attention(q, q, q, cu, cu, 3, 3, causal=True, backend="math")
+    torch.testing.assert_close(out, ref)
+    print("ran")
+"""
+
+
+@pytest.mark.parametrize("mode", ["interpreted", "compiled"])
+def test_kernels_take_tritons_own_mode(mode):
+    """A process whose triton was imported in one mode and whose TRITON_INTERPRET says the other when
+    our kernel modules are first imported (a GPU machine's test run) still gets kernels it can
+    launch: every one of ours is decorated like triton's own ``tl.cdiv``."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _MODE_CHILD, mode], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    kind = "InterpretedFunction" if mode == "interpreted" else "JITFunction"
+    first = run.stdout.splitlines()[0]
+    assert first == f"{[kind]} {mode == 'interpreted'}", run.stdout
+    assert mode == "compiled" or run.stdout.splitlines()[1] == "ran"
+
+
 def test_split_rule_reads_only_the_spec():
     from jagged_sdpa.backends.triton.launch_rules import plan_splits
 

@@ -223,6 +223,55 @@ def check_fp8_cache_decode():
     return "keys " + str(lens_k) + ": " + ", ".join(done)
 
 
+def check_fp8_every_code():
+    """Every finite code of both fp8 formats as K and V bytes (subnormals, the largest values, -0)
+    through TRITON's decoding (the GPU's own conversion for e4m3fn on sm89+, a shift for e5m2), against
+    float64 on torch's own widening of the same bytes; then a NaN byte in one used V element must
+    make exactly that output element NaN for the heads reading it."""
+    hq, hkv, d, block = 4, 2, 32, 16
+    lens_k = [300, 41] if CUDA else [40, 9]
+    blocks = [-(-n // block) for n in lens_k]
+    table = torch.arange(sum(blocks), dtype=torch.int32).reshape(-1)
+    table = torch.stack([torch.nn.functional.pad(t, (0, max(blocks) - len(t))) for t in table.split(blocks)])
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    cu_q = cu_of([1] * len(lens_k))
+    gen = torch.Generator().manual_seed(3)
+    done = []
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        finite = codes[torch.isfinite(codes.view(fp8).float())]
+        shape = (sum(blocks), block, hkv, d)
+        picks = [finite[torch.randint(len(finite), shape, generator=gen)] for _ in range(2)]
+        picks[0].view(-1)[:len(finite)] = finite  # each code at least once
+        k8, v8 = (x.view(fp8).to(DEVICE) for x in picks)
+        # logits and values of a few units: scales put each format's largest value near 1-8
+        k_scale = torch.tensor([2.0 ** -9, 2.0 ** -7] if fp8 == torch.float8_e4m3fn else [2.0 ** -16, 2.0 ** -14])
+        v_scale = torch.tensor(2.0 ** -6 if fp8 == torch.float8_e4m3fn else 2.0 ** -14)
+
+        def rows(cache, scale):  # the used keys of each sequence, packed, widened by torch, scaled
+            widened = cache.cpu().float()
+            return torch.cat([widened[table[b, :blocks[b]].long()].reshape(-1, hkv, d)[:n]
+                              for b, n in enumerate(lens_k)]) * scale.reshape(-1, 1)
+
+        kd, vd = rows(k8, k_scale), rows(v8, v_scale)
+        q = torch.randn(len(lens_k), hq, d, generator=gen).to(DEVICE, torch.bfloat16 if CUDA else torch.float32)
+        kwargs = dict(block_table=table.to(DEVICE), seqused_k=used, k_scale=k_scale.to(DEVICE),
+                      v_scale=v_scale.to(DEVICE), return_lse=True, backend="triton")
+        out, lse = jagged_sdpa.varlen_attention(q, k8, v8, cu_q, None, 1, max(lens_k), **kwargs)
+        ref_out, ref_lse, _ = reference(q, kd, vd, cu_q, cu_of(lens_k))
+        compare(out, ref_out, cu_q, f"out {fp8}")
+        assert_close_lse(lse.cpu(), ref_lse, name=f"lse {fp8}")
+        nan_code = 0x7F if fp8 == torch.float8_e4m3fn else 0x7E
+        v_nan = v8.view(torch.uint8).clone()
+        v_nan[table[0, 1], 3, 1, 5] = nan_code  # sequence 0, key 19, kv head 1, dim 5
+        out, _ = jagged_sdpa.varlen_attention(q, k8, v_nan.view(fp8), cu_q, None, 1, max(lens_k), **kwargs)
+        expected = torch.zeros_like(out, dtype=torch.bool)
+        expected[0, 2:, 5] = True  # query heads 2, 3 read kv head 1
+        assert torch.equal(torch.isnan(out), expected), f"{fp8}: NaN at {torch.isnan(out).nonzero().tolist()}"
+        done.append(f"{str(fp8)[6:]}: {len(finite)} codes")
+    return ", ".join(done)
+
+
 def check_strided_table_and_slopes():
     lens_q, lens_k, hq, d = [3, 1], [40, 21], 2, 16
     kc, vc, table, kp, vp = _paged(lens_k, 1, d, 16)
@@ -467,6 +516,7 @@ CHECKS = [
     ("paged-split-k-2**32", check_paged_split_k_past_2_32),
     ("strided-table-slopes", check_strided_table_and_slopes),
     ("fp8-cache-decode", check_fp8_cache_decode),
+    ("fp8-every-code", check_fp8_every_code),
     ("no-autotuner-graph-capture", check_no_autotuner_and_graph_capture),
     ("fp32-d256-decode-autotune", check_fp32_d256_decode_autotune),
     ("one-hot-gradients", check_one_hot_gradients),

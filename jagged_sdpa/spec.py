@@ -30,7 +30,7 @@ def _replaced(obj, changes: dict):
     """``dataclasses.replace`` for our frozen dataclasses (no ``__post_init__``, every field in
     ``__init__``) at half its cost: specs and calls are replaced a few times per call."""
     names = _FIELD_NAMES[type(obj)]
-    unknown = changes.keys() - names
+    unknown = [name for name in changes if name not in names]  # not keys() - set: dynamo (torch 2.11) fails on it
     if unknown:
         raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
     new = object.__new__(type(obj))

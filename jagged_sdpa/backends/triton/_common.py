@@ -23,7 +23,9 @@ import triton.language as tl
 
 from jagged_sdpa.backends import keyed_dropout
 
-from jagged_sdpa.backends.triton.mode import jit
+from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
+
+_INTERPRETED = tl.constexpr(INTERPRETED)  # a global a kernel may read
 
 # Stand-in for an unbounded window side: far beyond any sequence, far from int32 overflow.
 UNBOUNDED = 1 << 30
@@ -56,6 +58,23 @@ def _key_offsets(offs_n, start_k, len_k, BlockTableRow, stride_btn, stride_kb, s
         return block.to(tl.int64) * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kt
     else:
         return (start_k + offs_n).to(tl.int64) * stride_kt
+
+
+@jit
+def _fp8_widen(x, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """fp8 bytes (uint8) to DTYPE (q's dtype), exactly (every value of both formats is exact in
+    float16, bfloat16 and float32). FP8 (``fp8_args``): 1 float8_e4m3fn, 2 float8_e5m2, 3
+    float8_e4m3fn on a GPU that converts it itself (sm89+: two values per instruction; the integer
+    decoding made the fp8 decode kernel ~3x slower than bf16 on an H200). e5m2 is the top byte of a
+    float16: one shift. The interpreter decodes in integers (it gets fp8 NaN wrong)."""
+    if _INTERPRETED:
+        return _fp8_to_f32(x, 1 if FP8 == 3 else FP8).to(DTYPE)
+    elif FP8 == 3:
+        return x.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    elif FP8 == 2:
+        return (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(DTYPE)
+    else:
+        return _fp8_to_f32(x, FP8).to(DTYPE)
 
 
 @jit
@@ -302,15 +321,15 @@ def leftpad_arg(call) -> torch.Tensor:
 
 def fp8_args(call):
     """An fp8 cache (docs/api.md section 13): k and v as uint8 views (the kernels decode the bytes,
-    ``_fp8_to_f32``), the scales and their head strides (0 = per tensor), and FP8 (0 none, 1
-    float8_e4m3fn, 2 float8_e5m2)."""
+    ``_fp8_widen``), the scales and their head strides (0 = per tensor), and FP8 (0 none, 1
+    float8_e4m3fn, 2 float8_e5m2, 3 float8_e4m3fn converted by the GPU: sm89 and later)."""
     dtype = call.spec.cache_dtype
     if dtype is None:
         return call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_q, 0, 0, 0
     k_scale, v_scale = call.k_scale.reshape(-1), call.v_scale.reshape(-1)
     return (call.k.view(torch.uint8), call.v.view(torch.uint8), k_scale, v_scale,
             k_scale.stride(0) if k_scale.numel() > 1 else 0, v_scale.stride(0) if v_scale.numel() > 1 else 0,
-            1 if dtype == torch.float8_e4m3fn else 2)
+            2 if dtype == torch.float8_e5m2 else 3 if (call.spec.capability or (0, 0)) >= (8, 9) else 1)
 
 
 def layout_flags(call) -> dict:

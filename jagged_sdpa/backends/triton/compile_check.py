@@ -40,7 +40,7 @@ def _dims(d: int, dv: int) -> dict:
                 HEAD_DIM_V_PAD=max(16, triton.next_power_of_2(dv)))
 
 
-def variants(quick: bool):
+def variants(quick: bool, arch: int = 90):
     """(name, kernel, data dtype, out dtype, constexprs, num_warps, num_stages)."""
     paged_split = dict(PAGED=True, PAGE_SIZE=16, SPLIT_K=True, PACK_GQA=True, HAS_SINKS=True)
     packed = dict(PAGED=False, PAGE_SIZE=16, SPLIT_K=False, PACK_GQA=False, HAS_SINKS=False)
@@ -57,7 +57,8 @@ def variants(quick: bool):
     yield ("bwd dk/dv every option, dense cache with leftpad, bf16 D128", bwd._attn_bwd_dkdv, "bf16", "bf16",
            {**ALL_ON, **_dims(128, 128), "DENSE": True, "HAS_LEFTPAD": True, "GROUP_SPLITS": 1, "BLOCK_M": 64,
             "BLOCK_N": 64}, 8, 2)
-    for fp8, name in ((1, "e4m3fn"), (2, "e5m2")):  # an fp8 cache (docs/api.md section 13): K/V bytes
+    fp8_codes = ((1, "e4m3fn"), (2, "e5m2")) + (((3, "e4m3fn (GPU conversion)"),) if arch >= 89 else ())
+    for fp8, name in fp8_codes:  # an fp8 cache (docs/api.md section 13): K/V bytes (fp8_args' codes)
         yield (f"fwd every option, paged {name} cache, split-k, gqa-packed, bf16 q D128", fwd._attn_fwd, "bf16", "fp32",
                {**ALL_ON, **_dims(128, 128), **paged_split, "HAS_DROPOUT": False, "FP8": fp8, "BLOCK_M": 16,
                 "BLOCK_N": 64}, 4, 2)
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
         return 2
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    for name, kernel, data, out, constexprs, warps, stages in variants(args.quick):
+    for name, kernel, data, out, constexprs, warps, stages in variants(args.quick, args.arch):
         jit_fn = kernel if hasattr(kernel, "params") else kernel.fn  # an autotuner wraps it (autotuning on)
         params = {param.name for param in jit_fn.params}
         constexprs = {key: value for key, value in constexprs.items() if key in params}  # ALL_ON serves every kernel

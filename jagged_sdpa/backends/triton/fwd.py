@@ -33,7 +33,7 @@ import triton.language as tl
 from jagged_sdpa.backends.triton import autotune_setting
 from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
 from jagged_sdpa.backends.triton._common import (
-    _cache_row, _dot, _dropout_keep, _fp8_to_f32, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
+    _cache_row, _dot, _dropout_keep, _fp8_widen, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
     dropout_key_args, fp8_args, head_dim_pad, kv_strides, launch, layout_flags, leftpad_arg, length_bucket, mask_args, on_device,
     sequence_order, shared_memory_limit, sink_args, table_args, tile_bytes_per_row,
 )
@@ -151,7 +151,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
         k = tl.load(K + kv_head_off_k + k_rows[None, :] + offs_d[:, None].to(tl.int64) * stride_kd,
                     mask=key_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         if FP8:  # exact in q's dtype; k_scale is in sm_scale
-            k = _fp8_to_f32(k, FP8).to(q.dtype)
+            k = _fp8_widen(k, FP8, q.dtype)
         qk = _dot(q, k, IEEE)
         s, _t = _scores(qk, pos_q, offs_n, len_k, row_valid, sm_scale, softcap, slope, window_left,
                         window_right, chunk_size, prefix_len, HAS_SOFTCAP, HAS_ALIBI, HAS_BAND, HAS_CHUNK,
@@ -175,7 +175,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
         v = tl.load(V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd,
                     mask=key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         if FP8:  # v_scale multiplies the output
-            v = _fp8_to_f32(v, FP8).to(q.dtype)
+            v = _fp8_widen(v, FP8, q.dtype)
         acc += _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, l_i, m_i
@@ -209,7 +209,7 @@ def _attn_fwd(
     SPLIT_K: tl.constexpr,                               # num_splits > 1 (a runtime value: no recompile per count)
     PACK_GQA: tl.constexpr,                              # tile rows = (query, head of the kv group) pairs
     IEEE: tl.constexpr,
-    FP8: tl.constexpr,                                   # K/V bytes: 0 q's dtype, 1 float8_e4m3fn, 2 float8_e5m2
+    FP8: tl.constexpr,                                   # K/V bytes: 0 q's dtype, else fp8 (fp8_args)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)

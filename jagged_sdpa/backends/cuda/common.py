@@ -16,6 +16,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake  # no public spelling; present since torch 2.1
 
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
@@ -86,11 +87,18 @@ def pad_head_dim(t: Tensor, size: int) -> Tensor:
     return t if d == size else F.pad(t, (0, size - d))
 
 
+def _address(t: Tensor) -> int:
+    """``t.data_ptr()``; 0 for a fake tensor (torch.compile runs a backend's forward on them for its
+    output shapes; whether the real call copies changes no shape). torch 2.11 raises on a fake
+    tensor's data_ptr, 2.13 warns."""
+    return 0 if is_fake(t) else t.data_ptr()
+
+
 def is_kernel_aligned(t: Tensor) -> bool:
     size = t.element_size()
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         return False
-    if t.data_ptr() % KERNEL_ALIGN_BYTES:
+    if _address(t) % KERNEL_ALIGN_BYTES:
         return False
     return all((s * size) % KERNEL_ALIGN_BYTES == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 

@@ -16,8 +16,10 @@ fp32 for EFFICIENT), forward and backward, every option they claim.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
+
 import torch
 
 from support.cases import cu_of, in_nan_buffer
@@ -114,6 +116,19 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_read():
     assert cc.is_kernel_aligned(cc.kernel_ready(transposed))
     odd_rows = torch.randn(10, 4, 60, dtype=torch.float16)   # row stride 120 bytes
     assert not cc.is_kernel_aligned(odd_rows)
+
+
+def test_kernel_ready_takes_fake_tensors():
+    """torch.compile runs a backend's forward on fake tensors for its output shapes (``fake_state``):
+    they have no address, and the alignment rule must not ask for one (on an H200, torch 2.11, a
+    compiled FLASH_VARLEN training step failed here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch 2.13 only warns where 2.11 raised
+        fake = torch.empty(10, 4, 64, dtype=torch.float16)
+        assert cc.kernel_ready(fake) is fake
+        assert not cc.is_kernel_aligned(torch.empty(10, 4, 60, dtype=torch.float16))  # strides still count
 
 
 def test_padding_and_gqa_expansion_are_adjoint():

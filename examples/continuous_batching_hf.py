@@ -25,9 +25,8 @@ try:
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from jagged_sdpa.integrations import transformers as jt
-
+from jagged_sdpa.integrations.transformers.compat import continuous_batching_config  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 
 def main() -> None:
@@ -50,8 +49,8 @@ def main() -> None:
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in lengths]
     generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     # always size the cache (num_blocks): unset, transformers grows it to a share of the machine's memory
-    batching = ContinuousBatchingConfig(page_size=64, num_blocks=args.prompts * (args.max_len // 64 + 3),
-                                        max_batch_tokens=512)
+    # ContinuousBatchingConfig(page_size=64, ...); continuous_batching_config also spells it for transformers 5.17
+    batching = continuous_batching_config(64, num_blocks=args.prompts * (args.max_len // 64 + 3), max_batch_tokens=512)
 
     def run():
         start = time.perf_counter()

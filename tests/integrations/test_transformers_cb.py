@@ -15,12 +15,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
-from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
 from jagged_sdpa.integrations.transformers import continuous_batching as jt_cb  # noqa: E402
+# the entry continuous batching calls ("sdpa"; transformers 5.17: "paged|sdpa") and transformers' function in it
+from jagged_sdpa.integrations.transformers.compat import CB_ENTRY, CB_ENTRY_DEFAULT  # noqa: E402
+from jagged_sdpa.integrations.transformers.compat import (continuous_batching_config,  # noqa: E402
+                                                          continuous_batching_sees_memory)
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 
@@ -35,7 +37,7 @@ NEW = 10
 def _restore_sdpa():
     yield
     jt.disable_continuous_batching()
-    assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward
+    assert AttentionInterface._global_mapping[CB_ENTRY] is CB_ENTRY_DEFAULT
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +57,17 @@ def _prompts(lengths, seed=1, prefix=()):
     return [list(prefix) + torch.randint(1, V, (n,), generator=g).tolist() for n in lengths]
 
 
+def _needs_cache_memory():
+    if not continuous_batching_sees_memory():
+        pytest.skip(f"transformers {transformers.__version__} sees no memory on this machine to size the paged cache "
+                    "(5.17 reads a CPU's through psutil only, which is not installed; 5.23 reads it from the OS)")
+
+
 def _generate_batch(model, prompts, max_batch_tokens=32, page_size=16, **cb):
+    _needs_cache_memory()
     gc = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cbc = ContinuousBatchingConfig(page_size=page_size, num_blocks=64, max_batch_tokens=max_batch_tokens,
-                                   return_logprobs=True, **cb)
+    cbc = continuous_batching_config(page_size, num_blocks=64, max_batch_tokens=max_batch_tokens,
+                                     return_logprobs=True, **cb)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cbc, progress_bar=False)
     outs = [out[f"req_{i}"] for i in range(len(prompts))]
     return [o.generated_tokens for o in outs], [torch.tensor(o.logprobs) for o in outs]
@@ -141,20 +150,20 @@ def test_enable_disable_idempotent_and_scoped():
     jt.enable_continuous_batching()
     jt.enable_continuous_batching()
     assert jt.continuous_batching_enabled()
-    assert AttentionInterface._global_mapping["sdpa"] is jt.continuous_batching_sdpa_forward
+    assert AttentionInterface._global_mapping[CB_ENTRY] is jt.continuous_batching_sdpa_forward
     jt.disable_continuous_batching()
     jt.disable_continuous_batching()
-    assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward
+    assert AttentionInterface._global_mapping[CB_ENTRY] is CB_ENTRY_DEFAULT
     # an entry someone else put in after enabling is theirs: disable leaves it alone
     jt.enable_continuous_batching()
 
     def other(*a, **k):
-        return sdpa_attention_forward(*a, **k)
+        return CB_ENTRY_DEFAULT(*a, **k)
 
-    AttentionInterface.register("sdpa", other)
+    AttentionInterface.register(CB_ENTRY, other)
     jt.disable_continuous_batching()
-    assert AttentionInterface._global_mapping["sdpa"] is other
-    AttentionInterface.register("sdpa", sdpa_attention_forward)
+    assert AttentionInterface._global_mapping[CB_ENTRY] is other
+    AttentionInterface.register(CB_ENTRY, CB_ENTRY_DEFAULT)
 
 
 def test_block_table_from_read_indices():
@@ -176,6 +185,7 @@ def test_example_runs(monkeypatch, capsys):
     import os
     import runpy
 
+    _needs_cache_memory()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setattr("sys.argv", ["continuous_batching_hf.py", "--prompts", "3", "--max-len", "80",
                                      "--new-tokens", "4"])

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import family_sweep as sweep  # noqa: E402
 
 from jagged_sdpa.integrations import transformers as jt  # noqa: E402
+from jagged_sdpa.integrations.transformers import compat as jt_compat  # noqa: E402
 
 
 def _check(family, class_index=-1):
@@ -106,8 +107,8 @@ def test_a_caller_that_needs_the_mask_gets_eagers_with_the_unpadding_data():
 def test_packed_sequences_keep_the_mask_free_path():
     # transformers sets allow_is_causal_skip=False itself for packed sequences: not a caller that reads the mask
     position_ids = torch.tensor([[0, 1, 2, 0, 1]])
-    packed = masking_utils.packed_sequence_compatibility_function(
-        masking_utils.causal_mask_function, position_ids, masking_utils.find_packed_sequence_indices(position_ids))
+    packed = jt_compat.packed_mask_function(masking_utils.causal_mask_function, position_ids,
+                                            masking_utils.find_packed_sequence_indices(position_ids))
     assert jt.jagged_attention_mask(1, 5, 5, mask_function=packed, allow_is_causal_skip=False) is None
 
 

@@ -1,6 +1,7 @@
 """Continuous batching (transformers' ``generate_batch``, ``serve --continuous-batching``; docs/api.md
 section 8). transformers accepts only its built-in names there, so jagged attention goes in under
-"sdpa" (opt-in, process-wide). Calls that carry a ``PagedAttentionCache`` run ragged attention over the
+"sdpa" (transformers 5.17: "paged|sdpa", the entry its generate_batch switches to; compat.py) (opt-in,
+process-wide). Calls that carry a ``PagedAttentionCache`` run ragged attention over the
 paged cache; every other call, and every continuous-batching call this path does not cover exactly,
 runs transformers' own SDPA (the function that held the "sdpa" entry before).
 
@@ -20,14 +21,15 @@ from transformers.modeling_utils import AttentionInterface
 import jagged_sdpa
 
 from .attention import as_int
+from .compat import CB_ENTRY, CB_ENTRY_DEFAULT, cache_update, cb_lengths, paged_kv, paged_layer
 
 try:  # pragma: no branch - transformers 5.x
     from transformers.generation.continuous_batching.cache import PagedAttentionCache as _PagedAttentionCache
 except ImportError:  # pragma: no cover - a transformers without continuous batching
     _PagedAttentionCache = None
-from transformers.integrations.sdpa_attention import sdpa_attention_forward as _hf_sdpa_attention_forward
 
-_NAME = "sdpa"
+_NAME = CB_ENTRY  # the entry continuous batching calls: "sdpa" (5.23), "paged|sdpa" (5.17; compat.py)
+_hf_sdpa_attention_forward = CB_ENTRY_DEFAULT  # transformers' own function in that entry
 _state: dict = {"original": None}
 _step: list = [None]  # (weakref to the step's cu_seq_lens_q, (its version, write index id), {layer type: _Group})
 # layer calls per mode, and per-step groups built (tests, benchmarks)
@@ -86,8 +88,9 @@ def block_table_of(read_index: torch.Tensor, cu_k: torch.Tensor, seqused: torch.
     return table.to(torch.int32) if aligned else None
 
 
-def _group(kwargs: dict, cache, allocator) -> _Group:
-    """The step's group for ``allocator``: built at the step's first layer of that group, reused after."""
+def _group(kwargs: dict, cache, layer) -> _Group:
+    """The step's group for ``layer`` (a ``compat.PagedLayer``): built at the step's first layer of that
+    group, reused after."""
     # transformers hands every layer of a step the same tensors, and new views of its static buffers at
     # each step: the step is keyed by their identity (weak references) and cu_seq_lens_q's version
     cu_q_in = kwargs.get("cu_seq_lens_q")
@@ -99,38 +102,37 @@ def _group(kwargs: dict, cache, allocator) -> _Group:
     else:
         groups = {}
         _step[0] = (weakref.ref(cu_q_in), key, groups)
-    group = groups.get(allocator.layer_type)
+    group = groups.get(layer.layer_type)
     if group is None:
-        group = groups[allocator.layer_type] = _build_group(kwargs, cache, allocator)
+        group = groups[layer.layer_type] = _build_group(kwargs, cache, layer)
     return group
 
 
-def _build_group(kwargs: dict, cache, allocator) -> _Group:
+def _build_group(kwargs: dict, cache, layer) -> _Group:
     stats["groups"] += 1
-    cu_k_all, max_k_all = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
+    lengths = cb_lengths(kwargs, layer.layer_type)
     read_index, write_index = kwargs.get("read_index"), kwargs.get("write_index")
-    if not isinstance(cu_k_all, dict) or not isinstance(max_k_all, dict) or read_index is None or write_index is None \
-            or allocator.layer_type not in cu_k_all:
+    if lengths is None or read_index is None or write_index is None:
         return _Group("fallback")
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
-    cu_k = cu_k_all[allocator.layer_type].to(torch.int32)
-    max_q = as_int(kwargs.get("max_length_q"), "max_length_q")
-    max_k = as_int(max_k_all[allocator.layer_type], "max_length_k")
+    cu_k = lengths[0].to(torch.int32)
+    max_q = as_int(lengths[1], "max_length_q")
+    max_k = as_int(lengths[2], "max_length_k")
     total_q, total_k = torch.stack([cu_q[-1], cu_k[-1]]).tolist()  # the step's one host read
-    reads = read_index[allocator.index]
+    reads = read_index[layer.group]
     common = dict(total_q=total_q, total_k=total_k, write_only=[r[:0] for r in read_index])
     gather = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=True)
-    if allocator.layer_type != "full_attention" or not getattr(allocator, "supports_block_table", False):
+    if layer.layer_type != "full_attention" or not layer.block_table:
         # a ring buffer, read through transformers
-        if allocator.layer_type == "sliding_attention":
-            sw = getattr(allocator, "sliding_window", None) or getattr(cache.config, "sliding_window", None)
+        if layer.layer_type == "sliding_attention":
+            sw = layer.sliding_window
             gather["window_size"] = (int(sw) - 1, 0)  # transformers' CB mask: a query sees the sw keys up to itself
         return _Group("gather", batch=gather, **common)
     if reads.numel() == 0:
         # no request has a past: the keys are the new tokens (transformers returns them as they are)
         return _Group("packed" if torch.equal(cu_k, cu_q) else "gather", batch=gather, **common)
     seqused = cu_k.diff()
-    table = block_table_of(reads, cu_k, seqused, max_k, allocator.tokens_per_page, total_k)
+    table = block_table_of(reads, cu_k, seqused, max_k, layer.page, total_k)
     if table is None:
         return _Group("gather", batch=gather, **common)
     return _Group("paged", batch=dict(cu_seqlens_q=cu_q, cu_seqlens_k=None, max_seqlen_q=max_q, max_seqlen_k=max_k,
@@ -170,28 +172,25 @@ def continuous_batching_sdpa_forward(module, query, key, value, attention_mask, 
 @torch.compiler.disable  # per-step host read and cache; transformers' cache.update is not traced either
 def _run(module, query, key, value, scaling, kwargs):
     cache = kwargs["cache"]
-    allocator = cache.layer_to_allocator[module.layer_idx]
-    group = _group(kwargs, cache, allocator)
+    group = _group(kwargs, cache, paged_layer(cache, module.layer_idx))
     if group.mode == "fallback":
         return None
-    return _attend(module, query, key, value, scaling, kwargs, cache, allocator, group)
+    return _attend(module, query, key, value, scaling, kwargs, cache, group)
 
 
-def _attend(module, query, key, value, scaling, kwargs, cache, allocator, group: _Group) -> torch.Tensor:
+def _attend(module, query, key, value, scaling, kwargs, cache, group: _Group) -> torch.Tensor:
     stats[group.mode] += 1
     T, Hq, Dv = query.shape[2], query.shape[1], value.shape[-1]
     layer = module.layer_idx
     if group.mode == "gather":
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=dict(kwargs))
-    else:  # write the new K/V (transformers' own update, with no read: it returns its inputs)
-        cache.update(key_states=key, value_states=value, layer_idx=layer,
-                     kwargs=dict(kwargs, read_index=group.write_only))
+        key, value = cache_update(cache, key, value, layer, kwargs)  # (S, Hkv, D)
+    else:  # write the new K/V (transformers' own update, with no read: it returns its inputs, (S, Hkv, D))
+        key, value = cache_update(cache, key, value, layer, kwargs, read_index=group.write_only)
     q = query[0].transpose(0, 1)[: group.total_q]  # (total_q, Hq, D)
     if group.mode == "paged":
-        k, v = allocator.get_cache_for_block_table(layer)
+        k, v = paged_kv(cache, layer)
     else:
-        k = key[0].transpose(0, 1)[: group.total_k]
-        v = value[0].transpose(0, 1)[: group.total_k]
+        k, v = key[: group.total_k], value[: group.total_k]
     out = group.plan(scaling).run(q, k, v)
     if group.total_q < T:  # padded steps (static shapes): padded rows are zeros
         out = torch.cat([out, out.new_zeros(T - group.total_q, Hq, Dv)])
@@ -202,7 +201,7 @@ def enable_continuous_batching() -> None:
     """Run jagged attention in transformers' continuous batching (``generate_batch``, ``serve``).
 
     transformers 5.x accepts only its built-in names there, so this replaces the process-wide "sdpa"
-    entry of ``AttentionInterface`` with ``continuous_batching_sdpa_forward``: continuous-batching calls
+    entry of ``AttentionInterface`` (5.17: "paged|sdpa") with ``continuous_batching_sdpa_forward``: continuous-batching calls
     (a ``PagedAttentionCache`` in the kwargs) run ragged ``varlen_attention`` over the paged cache, every
     other call runs transformers' SDPA. Build or switch the model with ``attn_implementation="sdpa"``.
     Idempotent; undone by ``disable_continuous_batching()``.

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import inspect
 import sys
-import types
 from dataclasses import dataclass
 
 import torch
 from transformers import masking_utils
 
-
-def _inner_code(factory, name="inner_mask"):
-    """The code object of the mask function ``factory`` returns: every function it makes shares it."""
-    return next(c for c in factory.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+from .compat import REMAP as _REMAP
+from .compat import _cells, _inner_code, packed_pattern
 
 
 _AND, _OR = _inner_code(masking_utils.and_masks, "and_mask"), _inner_code(masking_utils.or_masks, "or_mask")
@@ -39,10 +36,6 @@ _SLIDING = _inner_code(masking_utils.sliding_window_overlay)
 _SLIDING_BIDIRECTIONAL = _inner_code(masking_utils.sliding_window_bidirectional_overlay)
 _CHUNKED = _inner_code(masking_utils.chunked_overlay)
 _BLOCKWISE = _inner_code(masking_utils.blockwise_overlay)
-_PACKED = _inner_code(masking_utils.packed_sequence_mask_function)
-# transformers >= 5.18 wraps packed sequences' mask functions to remap positions; 5.17 has no wrapper.
-_REMAP = (_inner_code(masking_utils.remap_positions_for_packed_sequence)
-          if hasattr(masking_utils, "remap_positions_for_packed_sequence") else None)
 _GEMMA3 = "transformers.models.gemma3.modeling_gemma3"
 
 
@@ -104,7 +97,7 @@ def read_mask_function(fn) -> Overlay:
         return Overlay(causal=True)
     if fn is masking_utils.bidirectional_mask_function:
         return Overlay(causal=False, keys_only=True)
-    if code is _REMAP:  # packed sequences: positions remapped per sequence, the pattern inside unchanged
+    if _REMAP is not None and code is _REMAP:  # packed sequences: positions remapped per sequence (5.18+)
         return Overlay(**{**read_mask_function(_cells(fn)["mask_function"]).__dict__, "packed": True})
     if code is _AND:
         return _read_and(_cells(fn)["mask_functions"])
@@ -117,10 +110,6 @@ def read_mask_function(fn) -> Overlay:
     raise overlay_refused(f"{getattr(fn, '__qualname__', type(fn).__name__)} is not a transformers mask pattern")
 
 
-def _cells(fn) -> dict:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-
-
 def _read_and(functions) -> Overlay:
     """``and_masks``: transformers' own constructions, recognised by their order -- an overlay first then
     its pattern (``sliding_window_causal_mask_function``, ``chunked_causal_mask_function``,
@@ -131,8 +120,13 @@ def _read_and(functions) -> Overlay:
         raise overlay_refused("and_mask_function")
     first, second = functions
     code, cells = getattr(first, "__code__", None), _cells(first) if getattr(first, "__closure__", None) else {}
-    if code is _PACKED and getattr(second, "__code__", None) is _REMAP:
-        return read_mask_function(second)  # packed: the remapped pattern is marked packed
+    pattern = packed_pattern(first, second)  # transformers' packed-sequence wrapper (compat.packed_pattern)
+    if pattern is not None:
+        overlay = read_mask_function(pattern)
+        if overlay.keys_only:  # transformers packs causal masks only: a bidirectional one is a model's own overlay
+            raise overlay_refused("and_mask_function")
+        overlay.packed = True
+        return overlay
     if code is _SLIDING_BIDIRECTIONAL and second is masking_utils.bidirectional_mask_function:
         return Overlay(causal=False, keys_only=True, windowed=True)  # |q - kv| <= w: the module's (w, w)
     if code in (_SLIDING, _CHUNKED):

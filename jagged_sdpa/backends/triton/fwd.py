@@ -183,7 +183,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
 
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
-@jit(do_not_specialize=["key_seed", "key_offset", "split_size", "num_splits", "window_left", "window_right",
+@jit(do_not_specialize=["key_seed", "key_offset", "num_splits", "window_left", "window_right",
                                "chunk_size", "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
@@ -197,7 +197,7 @@ def _attn_fwd(
     stride_ls, stride_lh, stride_lt,                     # lse (splits, Hq, total_q)
     stride_btb, stride_btn, stride_ab, stride_ah,        # block table row/column, alibi batch (0 = per head)/head
     sm_scale, softcap, window_left, window_right, chunk_size,  # runtime scalars
-    dropout_p, key_seed, key_offset, split_size, num_splits,
+    dropout_p, key_seed, key_offset, num_splits,
     max_seqlen_q_bucket, max_seqlen_k_bucket,            # autotune keys only, never constexpr lengths
     GROUP: tl.constexpr,                                 # Hq // Hkv
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -269,10 +269,14 @@ def _attn_fwd(
         full_lo, hi = _visible_keys(q_last + shift, len_k, window_left, window_right, chunk_size, prefix_len,
                                     HAS_CHUNK, HAS_PREFIX)
     if SPLIT_K:
-        # int64: split * split_size passes 2**31 for a loose bound (the last splits' bounds wrapped,
-        # and their keys entered the softmax twice). An empty split becomes [0, 0), so both bounds
-        # fit int32 (a nonempty one lies inside [0, len_k)) and no block below lo is read.
-        split_lo = split.to(tl.int64) * split_size
+        # Each tile splits the keys it sees, [lo, hi), into num_splits ranges that start on multiples
+        # of 128 (of every BLOCK_N: no key block is read by two splits), sized by this sequence, not
+        # by max_seqlen_k: sized by a server's static bound (131072), a 2k-key decode put all its
+        # keys in split 0 and ran 3.5x slower on an H200. int64 throughout (no product can wrap). An
+        # empty split becomes [0, 0), so both bounds fit int32 and no block below lo is read.
+        base = (lo.to(tl.int64) // 128) * 128
+        split_size = tl.cdiv(tl.cdiv(hi.to(tl.int64) - base, num_splits), 128) * 128
+        split_lo = base + split.to(tl.int64) * split_size
         lo64 = tl.maximum(lo.to(tl.int64), split_lo)
         hi64 = tl.minimum(hi.to(tl.int64), split_lo + split_size)
         empty = lo64 >= hi64
@@ -394,10 +398,6 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     block_table, stride_btb, stride_btn = table_args(call)
     seqused = call.seqused_k if call.seqused_k is not None else call.cu_seqlens_q
     cu_k = call.cu_seqlens_k if call.cu_seqlens_k is not None else call.cu_seqlens_q
-    max_k = max(spec.max_seqlen_k, 1)
-    split_size = max_k
-    if num_splits > 1:
-        split_size = triton.cdiv(triton.cdiv(max_k, num_splits), 128) * 128
     group = spec.heads_q // spec.heads_kv
     rows = max(spec.max_seqlen_q, 1) * (group if pack_gqa else 1)
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), spec.heads_kv if pack_gqa else heads_q,
@@ -414,7 +414,7 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
         *lse.stride(),
         stride_btb, stride_btn, stride_ab, stride_ah,
         spec.scale, spec.softcap or 1.0, left, right, chunk,
-        spec.dropout_p, *dropout_key_args(call), split_size, num_splits,
+        spec.dropout_p, *dropout_key_args(call), num_splits,
         q_bucket, length_bucket(spec.max_seqlen_k),
     )
     kwargs = dict(

@@ -450,9 +450,9 @@ def test_split_k_merge_with_every_option(pack_gqa):
 
 def test_paged_split_k_bounds_past_2_32(monkeypatch):
     """A loose paged max_seqlen_k of 2**32 + 3 (as the flash tests pass): the kernel's split bounds
-    are int64 (16 forced splits of the unclamped bound: the last ones wrapped in int32 and counted
-    the keys twice, lse off by ln 2), and the backend clamps the bound to the table's width x block
-    size before planning."""
+    are int64 and sized by each sequence's keys (16 forced splits of the unclamped bound once wrapped
+    in int32 and counted the keys twice, and sized by the bound they put every key in split 0), and
+    the backend clamps the bound to the table's width x block size before planning."""
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from jagged_sdpa.backends.triton.launch_rules import merge_splits
     from support.described_call import prepare_varlen
@@ -467,6 +467,8 @@ def test_paged_split_k_bounds_past_2_32(monkeypatch):
                                 backend="triton")
     assert call.spec.max_seqlen_k == 2**32 + 3
     parts = launch_fwd(call, num_splits=16)
+    # Splits are sized by the sequence's 300 keys (128 each), not by the bound: three carry keys.
+    assert torch.isfinite(parts.lse).flatten(1).any(dim=1).tolist() == [True] * 3 + [False] * 13
     out, lse = merge_splits(parts.out, parts.lse, q.dtype)
     assert_close_packed(out, ref_out, cu_seqlens=cu_of(lens_q).tolist())
     assert_close_lse(lse, ref_lse)

@@ -131,6 +131,40 @@ def test_kernel_ready_takes_fake_tensors():
         assert not cc.is_kernel_aligned(torch.empty(10, 4, 60, dtype=torch.float16))  # strides still count
 
 
+def test_kernel_ready_takes_functionalized_fake_tensors():
+    """Plain tensors skip ``is_fake``; a functional wrapper (type ``Tensor``) over a fake one does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(10, 4, 64, dtype=torch.float16)
+    wrapped = torch._to_functional_tensor(fake)
+    assert type(wrapped) is torch.Tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cc.kernel_ready(wrapped) is wrapped
+
+
+def test_alignment_rule_on_strided_views():
+    """The contiguous shortcut of ``is_kernel_aligned`` answers as the rule: unit last stride, a
+    16-byte base, 16-byte strides on every dim of more than one element."""
+    def rule(t):
+        size = t.element_size()
+        return ((t.stride(-1) == 1 or t.shape[-1] <= 1) and t.data_ptr() % 16 == 0
+                and all(s * size % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+
+    base = torch.zeros(4096, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    pick = lambda options: options[int(torch.randint(len(options), (), generator=gen))]  # noqa: E731
+    for _ in range(2000):
+        shape = [pick([0, 1, 2, 3]), pick([1, 2, 8]), pick([0, 1, 3, 8, 16])]
+        strides = [pick([0, 1, 8, 24, 64, 128]), pick([0, 1, 3, 8, 16]), pick([1, 2])]
+        t = base.as_strided(shape, strides, pick([0, 1, 8]))
+        assert cc.is_kernel_aligned(t) == rule(t), (shape, strides, t.storage_offset())
+    for shape in ((8, 8, 64), (5, 3, 59), (7, 1, 8), (1, 1, 3)):
+        t = torch.zeros(shape, dtype=torch.float16)
+        assert cc.is_kernel_aligned(t) == rule(t) and cc.is_kernel_aligned(t[1:]) == rule(t[1:])
+
+
 def test_padding_and_gqa_expansion_are_adjoint():
     x = torch.randn(7, 2, 5, dtype=torch.float64)
     assert torch.equal(cc.pad_head_dim(x, 8)[..., :5], x) and (cc.pad_head_dim(x, 8)[..., 5:] == 0).all()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake  # no public spelling; present since torch 2.1
 
+from jagged_sdpa import batch as batches
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 # Vectorised 128-bit loads in both kernels: base pointers and row strides must be 16-byte aligned.
@@ -265,6 +266,30 @@ def key_geometry(call: PackedCall) -> RowGeometry:
     len_q = sequence_lengths(call.cu_seqlens_q)
     len_k = sequence_lengths(call.cu_seqlens_k)
     return row_geometry(call.cu_seqlens_k, call.spec.total_k, len_q, len_k)
+
+
+class PerBatch:
+    """A value made on the device from a call's batch metadata (cu_seqlens, seqused_k), once for
+    the calls of a plan's kind (``BackendImpl.forward_runner``: one batch, so the same metadata):
+    ``get`` makes it at the first call and hands it to the later ones, saving their kernel launches
+    (~20 tiny ops of row bookkeeping in a decode step, each a launch).
+
+    Never kept from, nor handed to, a call made while a CUDA graph is captured: the graph's
+    kernels run on replay, over whatever the metadata tensors then hold (a caller's in-place
+    writes, ``Plan.update``), so a captured call makes its own, inside the graph.
+    """
+
+    __slots__ = ("_make", "_value", "_made")
+
+    def __init__(self, make):
+        self._make, self._value, self._made = make, None, False
+
+    def get(self, call: PackedCall):
+        if batches.capturing(call.q):
+            return self._make(call)
+        if not self._made:
+            self._value, self._made = self._make(call), True
+        return self._value
 
 
 def clamp_max_seqlens(spec: AttnSpec) -> tuple[int, int]:

@@ -664,6 +664,37 @@ def test_efficient_marshalling(fake_efficient, case):
 
 
 @pytest.mark.usefixtures("available")
+def test_efficient_runner_makes_the_row_bookkeeping_once_per_batch_and_never_while_capturing(fake_efficient,
+                                                                                          monkeypatch):
+    """A plan kind's runner (one batch) makes the rows' bookkeeping at its first call and hands it to
+    the later ones (a decode step's layers); a call made while a CUDA graph is captured makes its
+    own, inside the graph, and neither keeps it nor takes a kept one (a replay reads what the
+    metadata then holds)."""
+    from jagged_sdpa import batch as batches
+
+    call = varlen_call([1, 1, 0, 2], [5, 0, 3, 9], 4, 4, 16, causal=True, requires_grad=False)  # a row sees no key
+    made = []
+    real = cc.query_geometry
+    monkeypatch.setattr(cc, "query_geometry", lambda c: made.append(c) or real(c))
+    layers = [call.replace(q=torch.randn_like(call.q)) for _ in range(3)]
+    runner = EfficientBackend.forward_runner(call)
+    for layer in layers:
+        got, want = runner(layer), EfficientBackend.forward(layer)
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+        assert not torch.isnan(got.out).any() and (got.out[1] == 0).all() and torch.isneginf(got.lse[:, 1]).all()
+    assert len(made) == 1 + len(layers)   # the runner's once, and every forward's own
+    made.clear()
+    monkeypatch.setattr(batches, "capturing", lambda t: True)
+    runner(layers[0]), runner(layers[1])
+    assert len(made) == 2                 # made inside the capture, each time
+    fresh = EfficientBackend.forward_runner(call)
+    fresh(layers[0])                      # a first call captured: nothing kept
+    monkeypatch.setattr(batches, "capturing", lambda t: False)
+    fresh(layers[0]), fresh(layers[1])
+    assert len(made) == 4
+
+
+@pytest.mark.usefixtures("available")
 def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
     """The padded-lse memory budget counts the lse the op returns (the fake's, attention.cu's shape)."""
     from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes

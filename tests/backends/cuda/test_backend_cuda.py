@@ -635,6 +635,36 @@ def test_flash_paged_forward(fake_flash, max_seqlen_k):
     assert fake_flash.calls[0]["max_k"] == min(max_seqlen_k, 2 * bs)
 
 
+
+@pytest.mark.usefixtures("available")
+def test_flash_paged_runner_makes_cu_seqlens_k_once_per_batch(fake_flash, monkeypatch):
+    """A paged call's cu_seqlens_k (rebuilt from seqused_k on the device) is made by a plan kind's
+    runner at its first call and reused by the later layers; never kept while a graph is captured."""
+    from jagged_sdpa import batch as batches
+
+    bs, heads, dim = 256, 2, 16
+    caches = [(torch.randn(4, bs, heads, dim, dtype=torch.float16), torch.randn(4, bs, heads, dim,
+                                                                                dtype=torch.float16))
+              for _ in range(3)]
+    block_table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    used = torch.tensor([300, 7], dtype=torch.int32)
+    q, cu_q = torch.randn(3, heads, dim, dtype=torch.float16), cu_of([2, 1])
+    call, _, _ = prepare_varlen(q, *caches[0], cu_q, None, 2, 512, causal=True, return_lse=True,
+                                block_table=block_table, seqused_k=used)
+    call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
+    made = []
+    real = cc.cu_seqlens_from_lengths
+    monkeypatch.setattr(cc, "cu_seqlens_from_lengths", lambda t: made.append(t) or real(t))
+    runner = FlashVarlenBackend.forward_runner(call)
+    for k_cache, v_cache in caches:
+        layer = call.replace(k=k_cache, v=v_cache)
+        got, want = runner(layer), FlashVarlenBackend.forward(layer)
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    assert len(made) == 1 + len(caches)
+    monkeypatch.setattr(batches, "capturing", lambda t: True)
+    runner(call), runner(call)
+    assert len(made) == 3 + len(caches)
+
 EFFICIENT_CASES = {
     "causal-top-left": dict(lengths_q=[5, 0, 9, 3], lengths_k=[7, 3, 6, 0], heads_q=2, heads_kv=2, dim=16,
                             causal=True, alignment="top_left"),

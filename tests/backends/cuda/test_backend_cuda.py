@@ -725,6 +725,35 @@ def test_efficient_runner_makes_the_row_bookkeeping_once_per_batch_and_never_whi
 
 
 @pytest.mark.usefixtures("available")
+def test_efficient_decode_layers_through_varlen_attention_make_the_bookkeeping_once(fake_efficient, monkeypatch):
+    """The public path, as on a GPU given its max lengths (nothing read): the layers of a decode
+    step over one batch run the plan's runner, which makes the rows' bookkeeping once."""
+    from jagged_sdpa import batch as batches, layout
+    from jagged_sdpa import spec as specs
+
+    real_build = specs.build
+    monkeypatch.setattr(specs, "build", lambda *a, **kw: real_build(*a, **kw).replace(device_type="cuda",
+                                                                                      capability=(8, 0)))
+    monkeypatch.setattr(layout, "host_read_needed", lambda device, *given: any(m is None for m in given))
+    made = []
+    real = cc.query_geometry
+    monkeypatch.setattr(cc, "query_geometry", lambda c: made.append(c) or real(c))
+    batches.clear_cache()
+    lengths_q, lengths_k = [1, 1, 0, 1], [5, 0, 3, 9]
+    cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
+    for _ in range(3):
+        q = torch.randn(sum(lengths_q), 4, 16, dtype=torch.float16)
+        k, v = (torch.randn(sum(lengths_k), 4, 16, dtype=torch.float16) for _ in range(2))
+        out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 1, 9, causal=True, return_lse=True,
+                                                backend="efficient")
+        ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+        assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist(), name="out")
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert len(made) == 1 and not made[0].spec.lengths_known
+    batches.clear_cache()
+
+
+@pytest.mark.usefixtures("available")
 def test_efficient_lse_budget_counts_what_the_op_allocates(fake_efficient):
     """The padded-lse memory budget counts the lse the op returns (the fake's, attention.cu's shape)."""
     from jagged_sdpa.backends.cuda.efficient import padded_lse_bytes

@@ -101,7 +101,7 @@ class Batch:
         if torch.compiler.is_compiling():
             return
         geometry = (total_q, k.shape[0], k.shape[1] if self.paged else 0)
-        if geometry in self._bound and (self.lengths_known or not _capturing(k)):
+        if geometry in self._bound and (self.lengths_known or not capturing(k)):
             return
         if self.lengths_known:
             self._check_host(total_q, k)
@@ -158,8 +158,10 @@ class Batch:
         checks.queue()
 
 
-def _capturing(k: Tensor) -> bool:
-    return k.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing(t: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``t``'s (CUDA) device: its
+    kernels run only on replay, over what the metadata tensors hold then."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_end(name: str, host: tuple, total: int) -> None:

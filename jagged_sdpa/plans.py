@@ -131,7 +131,7 @@ class Plan:
                 if len(self._kinds) >= 32:
                     self._kinds.clear()
                 self._kinds[kind] = prepared
-            elif not self._batch.lengths_known and batches._capturing(k):
+            elif not self._batch.lengths_known and batches.capturing(k):
                 self._batch.bind(q.shape[0], k)  # a later run of the kind, captured: its replays check too
         else:
             prepared = self._prepare(q, k, v, alibi_slopes, sinks, k_scale, v_scale, choose=choose)

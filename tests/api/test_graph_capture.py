@@ -8,7 +8,7 @@ the caller's metadata tensors themselves (``varlen_attention``) or the plan's ow
 at every call made while capturing, so that each replay runs them on what the buffers then hold.
 
 Here the machine has no GPU: ``layout.host_read_needed`` is patched to answer as on an accelerator
-(nothing read) and ``batch._capturing`` to say a capture is under way; a recording backend keeps
+(nothing read) and ``batch.capturing`` to say a capture is under way; a recording backend keeps
 the call each forward receives, and ``DeviceChecks.queue`` records the tensors it checks.
 """
 
@@ -30,7 +30,7 @@ from support.tolerances import assert_close_packed
 def capture(monkeypatch):
     """(calls the backend received, tensors the queued device checks read); capturing on."""
     monkeypatch.setattr(layout, "host_read_needed", lambda device, *given: any(m is None for m in given))
-    monkeypatch.setattr(batches, "_capturing", lambda k: True)
+    monkeypatch.setattr(batches, "capturing", lambda t: True)
     calls, checked = [], []
     real_forward = MathBackend.forward.__func__
     monkeypatch.setattr(MathBackend, "forward", classmethod(lambda cls, call: calls.append(call) or

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake  # no public spelling; present since torch 2.1
 
+from jagged_sdpa import batch as batches
 from jagged_sdpa.spec import AttnSpec, PackedCall
 
 # Vectorised 128-bit loads in both kernels: base pointers and row strides must be 16-byte aligned.
@@ -90,15 +91,25 @@ def pad_head_dim(t: Tensor, size: int) -> Tensor:
 def _address(t: Tensor) -> int:
     """``t.data_ptr()``; 0 for a fake tensor (torch.compile runs a backend's forward on them for its
     output shapes; whether the real call copies changes no shape). torch 2.11 raises on a fake
-    tensor's data_ptr, 2.13 warns."""
+    tensor's data_ptr, 2.13 warns.
+
+    A plain eager tensor (exactly ``Tensor``, neither functionalized nor functorch-wrapped) is what
+    ``is_fake`` answers False for after those very tests; asking them first skips its ~3 us (three
+    tensors a call)."""
+    if (type(t) is Tensor and not torch._is_functional_tensor(t)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        return t.data_ptr()
     return 0 if is_fake(t) else t.data_ptr()
 
 
 def is_kernel_aligned(t: Tensor) -> bool:
     size = t.element_size()
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        return False
     if _address(t) % KERNEL_ALIGN_BYTES:
+        return False
+    if t.is_contiguous() and t.numel():  # every stride a multiple of the row's: the row decides (fast)
+        if t.shape[-1] * size % KERNEL_ALIGN_BYTES == 0:
+            return True
+    elif t.stride(-1) != 1 and t.shape[-1] > 1:
         return False
     return all((s * size) % KERNEL_ALIGN_BYTES == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
@@ -255,6 +266,30 @@ def key_geometry(call: PackedCall) -> RowGeometry:
     len_q = sequence_lengths(call.cu_seqlens_q)
     len_k = sequence_lengths(call.cu_seqlens_k)
     return row_geometry(call.cu_seqlens_k, call.spec.total_k, len_q, len_k)
+
+
+class PerBatch:
+    """A value made on the device from a call's batch metadata (cu_seqlens, seqused_k), once for
+    the calls of a plan's kind (``BackendImpl.forward_runner``: one batch, so the same metadata):
+    ``get`` makes it at the first call and hands it to the later ones, saving their kernel launches
+    (~20 tiny ops of row bookkeeping in a decode step, each a launch).
+
+    Never kept from, nor handed to, a call made while a CUDA graph is captured: the graph's
+    kernels run on replay, over whatever the metadata tensors then hold (a caller's in-place
+    writes, ``Plan.update``), so a captured call makes its own, inside the graph.
+    """
+
+    __slots__ = ("_make", "_value", "_made")
+
+    def __init__(self, make):
+        self._make, self._value, self._made = make, None, False
+
+    def get(self, call: PackedCall):
+        if batches.capturing(call.q):
+            return self._make(call)
+        if not self._made:
+            self._value, self._made = self._make(call), True
+        return self._value
 
 
 def clamp_max_seqlens(spec: AttnSpec) -> tuple[int, int]:

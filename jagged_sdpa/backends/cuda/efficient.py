@@ -184,37 +184,12 @@ class EfficientBackend(cc.StateFromFakeForward, BackendImpl):
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
-        spec = call.spec
-        max_q, max_k = cc.clamp_max_seqlens(spec)
-        if max_q == 0 or max_k == 0:
-            # No query, or no key anywhere: the backward op refuses max_seqlen 0 and there is
-            # nothing to compute.
-            out, lse = cc.empty_result(call)
-            return AttnOutput(out, lse if spec.return_lse else None)
-        q, k, v = _prepare(call)
-        mask, window = mask_arguments(spec)
-        kwargs = {"scale": spec.scale}
-        if window is not None:
-            kwargs["window_size"] = window
-        if call.seqused_k is not None:
-            kwargs["seqlen_k"] = call.seqused_k.contiguous()
-        out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
-            q, k, v, None, call.cu_seqlens_q.contiguous(), call.cu_seqlens_k.contiguous(), max_q, max_k,
-            spec.dropout_p, mask, spec.return_lse, **kwargs,
-        )
-        out = out[0, :, :, :spec.head_dim_v]
-        state = EfficientState(seed, offset, lse.new_empty(*lse.shape, 0))
-        geom = cc.query_geometry(call) if (spec.return_lse or cc.rows_may_be_empty(spec)) else None
-        empty = cc.empty_query_rows(geom, spec) if cc.rows_may_be_empty(spec) else None
-        if empty is not None:
-            # 0 / 0 in the kernel's final normalisation: set from the lengths, not from its output.
-            out = out.masked_fill(empty[:, None, None], 0)
-        if not spec.return_lse:
-            return AttnOutput(out, None, state)
-        lse = cc.lse_to_packed(lse, geom)
-        if empty is not None:
-            lse = lse.masked_fill(empty.unsqueeze(0), -math.inf)
-        return AttnOutput(out, lse, state)
+        return _Forward(call.spec)(call)
+
+    @classmethod
+    def forward_runner(cls, call: PackedCall):
+        """``_Forward`` kept for the plan's kind: its row bookkeeping made once (``cc.PerBatch``)."""
+        return None if call.spec.needs_grad else _Forward(call.spec)
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):
@@ -247,3 +222,56 @@ class EfficientBackend(cc.StateFromFakeForward, BackendImpl):
             unseen = cc.unseen_key_rows(cc.key_geometry(call), spec)[:, None, None]
             dk, dv_ = dk.masked_fill(unseen, 0), dv_.masked_fill(unseen, 0)
         return dq, dk, dv_
+
+
+class _Forward:
+    """The forward of the calls of one spec: the op's arguments worked out once, and the rows'
+    bookkeeping (rows that see no key, lse layout) made once per batch (``cc.PerBatch``) - in a
+    decode step that bookkeeping was most of a call's host time (~20 tiny ops, each a launch)."""
+
+    __slots__ = ("spec", "max_q", "max_k", "mask", "kwargs", "rows")
+
+    def __init__(self, spec: AttnSpec):
+        self.spec = spec
+        self.max_q, self.max_k = cc.clamp_max_seqlens(spec)
+        self.mask, window = mask_arguments(spec)
+        self.kwargs = {"scale": spec.scale} if window is None else {"scale": spec.scale, "window_size": window}
+        self.rows = cc.PerBatch(_rows) if spec.return_lse or cc.rows_may_be_empty(spec) else None
+
+    def __call__(self, call: PackedCall) -> AttnOutput:
+        spec = self.spec
+        if self.max_q == 0 or self.max_k == 0:
+            # No query, or no key anywhere: the backward op refuses max_seqlen 0 and there is
+            # nothing to compute.
+            out, lse = cc.empty_result(call)
+            return AttnOutput(out, lse if spec.return_lse else None)
+        q, k, v = _prepare(call)
+        kwargs = self.kwargs
+        if call.seqused_k is not None:
+            kwargs = {**kwargs, "seqlen_k": call.seqused_k.contiguous()}
+        out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, None, call.cu_seqlens_q.contiguous(), call.cu_seqlens_k.contiguous(), self.max_q, self.max_k,
+            spec.dropout_p, self.mask, spec.return_lse, **kwargs,
+        )
+        out = out[0] if out.shape[-1] == spec.head_dim_v else out[0, :, :, :spec.head_dim_v]
+        state = EfficientState(seed, offset, lse.new_empty(*lse.shape, 0))
+        geom, empty_out, empty_lse = self.rows.get(call) if self.rows is not None else (None, None, None)
+        if empty_out is not None:
+            # 0 / 0 in the kernel's final normalisation: set from the lengths, not from its output.
+            out = out.masked_fill(empty_out, 0)
+        if not spec.return_lse:
+            return AttnOutput(out, None, state)
+        lse = cc.lse_to_packed(lse, geom)
+        if empty_lse is not None:
+            lse = lse.masked_fill(empty_lse, -math.inf)
+        return AttnOutput(out, lse, state)
+
+
+def _rows(call: PackedCall) -> tuple:
+    """(query geometry, rows that see no key as (total_q, 1, 1) and (1, total_q) masks, or None
+    when the spec proves there are none)."""
+    geom = cc.query_geometry(call)
+    if not cc.rows_may_be_empty(call.spec):
+        return geom, None, None
+    empty = cc.empty_query_rows(geom, call.spec)
+    return geom, empty[:, None, None], empty.unsqueeze(0)

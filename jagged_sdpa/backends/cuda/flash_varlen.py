@@ -91,17 +91,20 @@ def _kept_side(side: int, max_k: int) -> int:
     return side if 0 <= side < max_k else -1
 
 
-def _prepare(call: PackedCall, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prepare(call: PackedCall, width: int,
+             cu_k: Optional[cc.PerBatch] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Padded, aligned q/k/v and the cu_seqlens_k the op needs (a paged call has none: the keys'
-    cumulative lengths are rebuilt from seqused_k on the device)."""
+    cumulative lengths are rebuilt from seqused_k on the device, by ``cu_k`` when given: once per batch)."""
     q = cc.kernel_ready(cc.pad_head_dim(call.q, width))
     k = cc.kernel_ready(cc.pad_head_dim(call.k, width))
     v = cc.kernel_ready(cc.pad_head_dim(call.v, width))
     if call.spec.paged:
-        cu_k = cc.cu_seqlens_from_lengths(call.seqused_k)
-    else:
-        cu_k = call.cu_seqlens_k.contiguous()
-    return q, k, v, cu_k
+        return q, k, v, (cu_k or cc.PerBatch(_paged_cu_k)).get(call)
+    return q, k, v, call.cu_seqlens_k.contiguous()
+
+
+def _paged_cu_k(call: PackedCall) -> Tensor:
+    return cc.cu_seqlens_from_lengths(call.seqused_k)
 
 
 def kernel_max_seqlens(spec: AttnSpec, block_table_width: Optional[int] = None) -> tuple[int, int]:
@@ -205,31 +208,12 @@ class FlashVarlenBackend(cc.StateFromFakeForward, BackendImpl):
 
     @classmethod
     def forward(cls, call: PackedCall) -> AttnOutput:
-        spec = call.spec
-        if spec.total_q == 0:  # a zero-size grid is a CUDA launch error, not an empty result
-            out, lse = cc.empty_result(call)
-            return AttnOutput(out, lse if spec.return_lse else None)
-        width = padded_head_dim(spec)
-        q, k, v, cu_k = _prepare(call, width)
-        max_q, max_k = _call_max_seqlens(call)
-        window_kwargs = _window_kwargs(spec, max_k)
-        kwargs = {"scale": spec.scale, **window_kwargs}
-        if call.seqused_k is not None:
-            kwargs["seqused_k"] = call.seqused_k.contiguous()
-        if spec.paged:
-            kwargs["block_table"] = call.block_table.contiguous()
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, call.cu_seqlens_q.contiguous(), cu_k, max_q, max_k, spec.dropout_p, spec.causal, False,
-            **kwargs,
-        )
-        out = out[..., :spec.head_dim_v]
-        state = FlashState(rng_state, unused, lse.new_empty(*lse.shape, 0))
-        if not spec.return_lse:
-            return AttnOutput(out, None, state)
-        # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
-        lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
-        lse = lse.masked_fill(lse == math.inf, -math.inf)
-        return AttnOutput(out, lse, state)
+        return _Forward(call)(call)
+
+    @classmethod
+    def forward_runner(cls, call: PackedCall):
+        """``_Forward`` kept for the plan's kind: a paged call's cu_seqlens_k made once (``cc.PerBatch``)."""
+        return None if call.spec.needs_grad else _Forward(call)
 
     @classmethod
     def backward(cls, call: PackedCall, out: Tensor, lse: Tensor, grad_out: Tensor, state: tuple):
@@ -249,6 +233,47 @@ class FlashVarlenBackend(cc.StateFromFakeForward, BackendImpl):
             state.rng_state, state.unused, scale=spec.scale, **_window_kwargs(spec, max_k),
         )
         return dq[..., :spec.head_dim], dk[..., :spec.head_dim], dv[..., :spec.head_dim_v]
+
+
+class _Forward:
+    """The forward of the calls of one spec and batch: the op's arguments worked out once (head
+    width, max lengths, window), a paged call's cu_seqlens_k made once per batch (``cc.PerBatch``)."""
+
+    __slots__ = ("spec", "width", "max_q", "max_k", "kwargs", "cu_k")
+
+    def __init__(self, call: PackedCall):
+        spec = self.spec = call.spec
+        self.width = padded_head_dim(spec)
+        self.max_q, self.max_k = _call_max_seqlens(call)
+        self.kwargs = {"scale": spec.scale, **_window_kwargs(spec, self.max_k)}
+        self.cu_k = cc.PerBatch(_paged_cu_k) if spec.paged else None
+
+    def __call__(self, call: PackedCall) -> AttnOutput:
+        spec = self.spec
+        if spec.total_q == 0:  # a zero-size grid is a CUDA launch error, not an empty result
+            out, lse = cc.empty_result(call)
+            return AttnOutput(out, lse if spec.return_lse else None)
+        q, k, v, cu_k = _prepare(call, self.width, self.cu_k)
+        kwargs = self.kwargs
+        if call.seqused_k is not None or spec.paged:
+            kwargs = dict(kwargs)  # (the kept one stays the spec's)
+            if call.seqused_k is not None:
+                kwargs["seqused_k"] = call.seqused_k.contiguous()
+            if spec.paged:
+                kwargs["block_table"] = call.block_table.contiguous()
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, call.cu_seqlens_q.contiguous(), cu_k, self.max_q, self.max_k, spec.dropout_p, spec.causal,
+            False, **kwargs,
+        )
+        if self.width != spec.head_dim_v:
+            out = out[..., :spec.head_dim_v]
+        state = FlashState(rng_state, unused, lse.new_empty(*lse.shape, 0))
+        if not spec.return_lse:
+            return AttnOutput(out, None, state)
+        # Rows that see no key come back as out 0 and lse +inf (flash's convention for its backward).
+        lse = cc.lse_to_packed(lse, None if lse.dim() == 2 else cc.query_geometry(call))
+        lse = lse.masked_fill(lse == math.inf, -math.inf)
+        return AttnOutput(out, lse, state)
 
 
 def _geometry_if_padded(call: PackedCall, lse_shape: tuple[int, ...]):

@@ -131,6 +131,40 @@ def test_kernel_ready_takes_fake_tensors():
         assert not cc.is_kernel_aligned(torch.empty(10, 4, 60, dtype=torch.float16))  # strides still count
 
 
+def test_kernel_ready_takes_functionalized_fake_tensors():
+    """Plain tensors skip ``is_fake``; a functional wrapper (type ``Tensor``) over a fake one does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(10, 4, 64, dtype=torch.float16)
+    wrapped = torch._to_functional_tensor(fake)
+    assert type(wrapped) is torch.Tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cc.kernel_ready(wrapped) is wrapped
+
+
+def test_alignment_rule_on_strided_views():
+    """The contiguous shortcut of ``is_kernel_aligned`` answers as the rule: unit last stride, a
+    16-byte base, 16-byte strides on every dim of more than one element."""
+    def rule(t):
+        size = t.element_size()
+        return ((t.stride(-1) == 1 or t.shape[-1] <= 1) and t.data_ptr() % 16 == 0
+                and all(s * size % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+
+    base = torch.zeros(4096, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    pick = lambda options: options[int(torch.randint(len(options), (), generator=gen))]  # noqa: E731
+    for _ in range(2000):
+        shape = [pick([0, 1, 2, 3]), pick([1, 2, 8]), pick([0, 1, 3, 8, 16])]
+        strides = [pick([0, 1, 8, 24, 64, 128]), pick([0, 1, 3, 8, 16]), pick([1, 2])]
+        t = base.as_strided(shape, strides, pick([0, 1, 8]))
+        assert cc.is_kernel_aligned(t) == rule(t), (shape, strides, t.storage_offset())
+    for shape in ((8, 8, 64), (5, 3, 59), (7, 1, 8), (1, 1, 3)):
+        t = torch.zeros(shape, dtype=torch.float16)
+        assert cc.is_kernel_aligned(t) == rule(t) and cc.is_kernel_aligned(t[1:]) == rule(t[1:])
+
+
 def test_padding_and_gqa_expansion_are_adjoint():
     x = torch.randn(7, 2, 5, dtype=torch.float64)
     assert torch.equal(cc.pad_head_dim(x, 8)[..., :5], x) and (cc.pad_head_dim(x, 8)[..., 5:] == 0).all()
@@ -601,6 +635,36 @@ def test_flash_paged_forward(fake_flash, max_seqlen_k):
     assert fake_flash.calls[0]["max_k"] == min(max_seqlen_k, 2 * bs)
 
 
+
+@pytest.mark.usefixtures("available")
+def test_flash_paged_runner_makes_cu_seqlens_k_once_per_batch(fake_flash, monkeypatch):
+    """A paged call's cu_seqlens_k (rebuilt from seqused_k on the device) is made by a plan kind's
+    runner at its first call and reused by the later layers; never kept while a graph is captured."""
+    from jagged_sdpa import batch as batches
+
+    bs, heads, dim = 256, 2, 16
+    caches = [(torch.randn(4, bs, heads, dim, dtype=torch.float16), torch.randn(4, bs, heads, dim,
+                                                                                dtype=torch.float16))
+              for _ in range(3)]
+    block_table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    used = torch.tensor([300, 7], dtype=torch.int32)
+    q, cu_q = torch.randn(3, heads, dim, dtype=torch.float16), cu_of([2, 1])
+    call, _, _ = prepare_varlen(q, *caches[0], cu_q, None, 2, 512, causal=True, return_lse=True,
+                                block_table=block_table, seqused_k=used)
+    call = call.replace(spec=call.spec.replace(device_type="cuda", capability=(8, 0)))
+    made = []
+    real = cc.cu_seqlens_from_lengths
+    monkeypatch.setattr(cc, "cu_seqlens_from_lengths", lambda t: made.append(t) or real(t))
+    runner = FlashVarlenBackend.forward_runner(call)
+    for k_cache, v_cache in caches:
+        layer = call.replace(k=k_cache, v=v_cache)
+        got, want = runner(layer), FlashVarlenBackend.forward(layer)
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    assert len(made) == 1 + len(caches)
+    monkeypatch.setattr(batches, "capturing", lambda t: True)
+    runner(call), runner(call)
+    assert len(made) == 3 + len(caches)
+
 EFFICIENT_CASES = {
     "causal-top-left": dict(lengths_q=[5, 0, 9, 3], lengths_k=[7, 3, 6, 0], heads_q=2, heads_kv=2, dim=16,
                             causal=True, alignment="top_left"),
@@ -627,6 +691,66 @@ def test_efficient_marshalling(fake_efficient, case):
     call = call.replace(spec=call.spec.replace(alignment=alignment))
     result = check_against_reference(EfficientBackend, call, alignment=alignment)
     assert not torch.isnan(result.out).any()
+
+
+@pytest.mark.usefixtures("available")
+def test_efficient_runner_makes_the_row_bookkeeping_once_per_batch_and_never_while_capturing(fake_efficient,
+                                                                                          monkeypatch):
+    """A plan kind's runner (one batch) makes the rows' bookkeeping at its first call and hands it to
+    the later ones (a decode step's layers); a call made while a CUDA graph is captured makes its
+    own, inside the graph, and neither keeps it nor takes a kept one (a replay reads what the
+    metadata then holds)."""
+    from jagged_sdpa import batch as batches
+
+    call = varlen_call([1, 1, 0, 2], [5, 0, 3, 9], 4, 4, 16, causal=True, requires_grad=False)  # a row sees no key
+    made = []
+    real = cc.query_geometry
+    monkeypatch.setattr(cc, "query_geometry", lambda c: made.append(c) or real(c))
+    layers = [call.replace(q=torch.randn_like(call.q)) for _ in range(3)]
+    runner = EfficientBackend.forward_runner(call)
+    for layer in layers:
+        got, want = runner(layer), EfficientBackend.forward(layer)
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+        assert not torch.isnan(got.out).any() and (got.out[1] == 0).all() and torch.isneginf(got.lse[:, 1]).all()
+    assert len(made) == 1 + len(layers)   # the runner's once, and every forward's own
+    made.clear()
+    monkeypatch.setattr(batches, "capturing", lambda t: True)
+    runner(layers[0]), runner(layers[1])
+    assert len(made) == 2                 # made inside the capture, each time
+    fresh = EfficientBackend.forward_runner(call)
+    fresh(layers[0])                      # a first call captured: nothing kept
+    monkeypatch.setattr(batches, "capturing", lambda t: False)
+    fresh(layers[0]), fresh(layers[1])
+    assert len(made) == 4
+
+
+@pytest.mark.usefixtures("available")
+def test_efficient_decode_layers_through_varlen_attention_make_the_bookkeeping_once(fake_efficient, monkeypatch):
+    """The public path, as on a GPU given its max lengths (nothing read): the layers of a decode
+    step over one batch run the plan's runner, which makes the rows' bookkeeping once."""
+    from jagged_sdpa import batch as batches, layout
+    from jagged_sdpa import spec as specs
+
+    real_build = specs.build
+    monkeypatch.setattr(specs, "build", lambda *a, **kw: real_build(*a, **kw).replace(device_type="cuda",
+                                                                                      capability=(8, 0)))
+    monkeypatch.setattr(layout, "host_read_needed", lambda device, *given: any(m is None for m in given))
+    made = []
+    real = cc.query_geometry
+    monkeypatch.setattr(cc, "query_geometry", lambda c: made.append(c) or real(c))
+    batches.clear_cache()
+    lengths_q, lengths_k = [1, 1, 0, 1], [5, 0, 3, 9]
+    cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
+    for _ in range(3):
+        q = torch.randn(sum(lengths_q), 4, 16, dtype=torch.float16)
+        k, v = (torch.randn(sum(lengths_k), 4, 16, dtype=torch.float16) for _ in range(2))
+        out, lse = jagged_sdpa.varlen_attention(q, k, v, cu_q, cu_k, 1, 9, causal=True, return_lse=True,
+                                                backend="efficient")
+        ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, causal=True, alignment="bottom_right")
+        assert_close_packed(out, ref_out, cu_seqlens=cu_q.tolist(), name="out")
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert len(made) == 1 and not made[0].spec.lengths_known
+    batches.clear_cache()
 
 
 @pytest.mark.usefixtures("available")

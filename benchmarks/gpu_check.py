@@ -171,7 +171,7 @@ def _paged(lens_k, hkv, d, block_size, dtype=torch.float32):
 
 def check_paged_split_k_past_2_32():
     from jagged_sdpa.backends.triton.fwd import launch_fwd
-    from jagged_sdpa.backends.triton.launch_rules import merge_splits
+    from jagged_sdpa.backends.triton.fwd import merge_splits
     from support.described_call import prepare_varlen
 
     lens_k = [300, 4000] if CUDA else [300]

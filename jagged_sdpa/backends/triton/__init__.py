@@ -127,8 +127,7 @@ class TritonBackend(BackendImpl):
         splits = launch_rules.plan_splits(call.spec)
         result = fwd.launch_fwd(call, num_splits=splits, pack_gqa=launch_rules.pack_gqa(call.spec))
         if splits > 1:
-            out, lse = launch_rules.merge_splits(result.out, result.lse, call.q.dtype)
-            return AttnOutput(out, lse)
+            return AttnOutput(*fwd.merge_splits(result.out, result.lse, call.q.dtype))
         return result
 
     @classmethod

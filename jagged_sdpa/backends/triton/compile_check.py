@@ -25,7 +25,7 @@ from jagged_sdpa.backends.triton import bwd, fwd
 
 DATA_POINTERS = {"Q", "K", "V", "DO", "DQ"}
 OUT_POINTERS = {"Out", "DK", "DV"}  # may be float32 partials (split-k, backward group splits)
-FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks", "KScale", "VScale"}
+FLOAT32_POINTERS = {"Lse", "Delta", "Alibi", "Sinks", "KScale", "VScale", "OutParts", "LseParts"}
 FLOAT_SCALARS = {"sm_scale", "softcap", "dropout_p"}
 
 ALL_ON = dict(GROUP=2, BOTTOM_RIGHT=True, HAS_BAND=True, HAS_CHUNK=True, HAS_PREFIX=True, HAS_SOFTCAP=True,
@@ -64,6 +64,8 @@ def variants(quick: bool, arch: int = 90):
                 "BLOCK_N": 64}, 4, 2)
     yield ("bwd delta bf16 Dv96", bwd._attn_bwd_delta, "bf16", "bf16",
            {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64, "IEEE": False}, 4, 1)
+    yield ("split-k merge, bf16 out Dv96", fwd._merge_splits, "bf16", "bf16",
+           {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "MAX_S": fwd.MAX_SPLITS}, 1, 1)
     if quick:
         return
     # Every default tile at the widest row it serves: what runs when autotuning is off.

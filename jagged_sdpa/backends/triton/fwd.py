@@ -12,7 +12,7 @@ every row of the tile sees the whole block.
 Sequences run heaviest first (``sequence_order``) and, inside a sequence, the last (for causal,
 heaviest) query blocks first.
 Decode-shaped calls (rules in ``launch_rules.py``): with num_splits > 1 each program takes one slice of
-the keys and writes a float32 partial output and lse that ``launch_rules.merge_splits`` combines
+the keys and writes a float32 partial output and lse that ``merge_splits`` combines in one launch
 (split-K); with PACK_GQA the grid's second axis is Hkv and a tile's rows are (query, head of the kv
 group) pairs.
 Features: GQA by ``kv_head = h // GROUP``, both causal alignments, window, softcap, ALiBi (per head
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from jagged_sdpa.backends.triton import autotune_setting
+from jagged_sdpa.backends.triton.launch_rules import MAX_SPLITS
 from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
 from jagged_sdpa.backends.triton._common import (
     _cache_row, _dot, _dropout_keep, _fp8_widen, _key_offsets, _scores, _sequence_bounds, _visible_keys, alibi_args,
@@ -378,7 +379,7 @@ if AUTOTUNE:
 
 def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False) -> AttnOutput:
     """Run the forward kernel; with num_splits > 1 each split writes a partial (merged by
-    ``launch_rules.merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
+    ``merge_splits``) and this returns the float32 partial out (S, total_q, Hq, Dv) and lse
     (S, Hq, total_q) instead of the final ones. pack_gqa puts a kv group's query heads in one tile."""
     spec = call.spec
     q = call.q
@@ -431,3 +432,61 @@ def launch_fwd(call: PackedCall, *, num_splits: int = 1, pack_gqa: bool = False)
     if num_splits > 1:
         return AttnOutput(out, lse)
     return AttnOutput(out[0], lse[0])
+
+
+@jit(do_not_specialize=["num_splits"])
+def _merge_splits(
+    OutParts, LseParts, Out, Lse, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_pd,          # partial out (splits, total_q, Hq, Dv), float32
+    stride_ls, stride_lh, stride_lt,                     # partial lse (splits, Hq, total_q), float32
+    stride_ot, stride_oh, stride_od,                     # out (total_q, Hq, Dv), q's dtype
+    stride_mh, stride_mt,                                # lse (Hq, total_q), float32
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    MAX_S: tl.constexpr,                                 # launch_rules.MAX_SPLITS: one variant for every count
+):
+    """Program (row, head): ``lse = logsumexp_s lse_s`` (torch's rule: the max shifted to 0 when
+    infinite, so all -inf gives -inf and a NaN gives NaN), ``out = sum_s w_s out_s`` with
+    ``w_s = exp(lse_s - lse)`` (lse taken as 0 when not finite) and 0 for a non-finite lse_s. Every
+    split's out is multiplied, weight 0 included, so a NaN partial stays NaN."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, MAX_S)
+    lse_row = LseParts + h * stride_lh + t * stride_lt
+    x = tl.load(lse_row + offs_s.to(tl.int64) * stride_ls, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(x, 0)
+    m = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    total = tl.sum(tl.exp(x - m), 0)  # 0 only when every split is empty (then m is 0)
+    lse = tl.where(total == 0.0, float("-inf"), tl.log(tl.where(total == 0.0, 1.0, total))) + m
+    shift = tl.where(tl.abs(lse) < float("inf"), lse, 0.0)
+    offs_d = tl.arange(0, HEAD_DIM_V_PAD)
+    d_ok = offs_d < HEAD_DIM_V
+    part = OutParts + t * stride_pt + h * stride_ph + offs_d.to(tl.int64) * stride_pd
+    acc = tl.zeros([HEAD_DIM_V_PAD], dtype=tl.float32)
+    for _s in range(0, num_splits):
+        x_s = tl.load(lse_row)
+        w = tl.where(tl.abs(x_s) < float("inf"), tl.exp(x_s - shift), 0.0)
+        acc += w * tl.load(part, mask=d_ok, other=0.0)
+        lse_row += stride_ls  # pointers advance: s * stride in int32 could wrap
+        part += stride_ps
+    tl.store(Out + t * stride_ot + h * stride_oh + offs_d.to(tl.int64) * stride_od, acc.to(Out.dtype.element_ty),
+             mask=d_ok)
+    tl.store(Lse + h * stride_mh + t * stride_mt, lse)
+
+
+def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, dtype: torch.dtype):
+    """Split-K's float32 partials, out (S, total_q, Hq, Dv) and lse (S, Hq, total_q), merged by
+    ``_merge_splits`` in one launch (the torch form took ~12 ops, host time a decode call is made
+    of): out (total_q, Hq, Dv) in ``dtype``, lse (Hq, total_q) float32. Empty splits carry lse
+    -inf and weigh 0; a row empty in every split gets out 0 and lse -inf."""
+    splits, total_q, heads, dv = out_parts.shape
+    if splits > MAX_SPLITS:
+        raise ValueError(f"{splits} splits > {MAX_SPLITS} (launch_rules.MAX_SPLITS)")
+    out = torch.empty((total_q, heads, dv), device=out_parts.device, dtype=dtype)
+    lse = torch.empty((heads, total_q), device=out_parts.device, dtype=torch.float32)
+    if total_q * heads == 0:
+        return out, lse
+    with on_device(out_parts):
+        _merge_splits[(total_q, heads)](
+            out_parts, lse_parts, out, lse, splits, *out_parts.stride(), *lse_parts.stride(), *out.stride(),
+            *lse.stride(), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=head_dim_pad(dv), MAX_S=MAX_SPLITS, num_warps=1)
+    return out, lse

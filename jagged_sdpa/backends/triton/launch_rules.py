@@ -1,10 +1,11 @@
 """Launch rules that read only the spec (no tensor data, no host sync), shown by ``explain`` as
-notes, plus the lse merge of split-K's partial results.
+notes.
 
 * Split-K (flash-decoding): with one query block per sequence (decode, a short chunk) the forward
   grid has only B * Hq programs, far fewer than a GPU has SMs. Splitting each sequence's keys over
   ``num_splits`` programs fills the machine; each split writes a float32 partial out and lse and
-  ``merge_splits`` combines them: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``.
+  ``fwd.merge_splits`` combines them in one kernel launch: ``lse = logsumexp_s lse_s``,
+  ``out = sum_s exp(lse_s - lse) out_s``.
 * GQA packing: with few queries, a kv group's query heads share one forward tile.
 * Backward group splits: the dK/dV kernel runs one program per (key block, kv head, sequence) and
   loops over the kv head's query group; with MQA or large groups and few sequences that leaves SMs
@@ -107,16 +108,3 @@ def plan_notes(spec: AttnSpec) -> tuple[str, ...]:
         notes.append(f"triton: backward splits each kv head's {spec.gqa_group} query heads over {splits} programs "
                      f"(few key blocks x kv heads to fill the device)")
     return tuple(notes)
-
-
-def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, dtype: torch.dtype):
-    """(S, total_q, Hq, Dv) float32 partials and (S, Hq, total_q) lses -> out (dtype), lse float32.
-
-    Empty splits carry lse -inf and weigh 0; a row empty in every split stays 0 with lse -inf.
-    """
-    lse = torch.logsumexp(lse_parts, dim=0)
-    finite = torch.isfinite(lse)
-    weights = torch.exp(lse_parts - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(0))
-    weights = torch.where(torch.isfinite(lse_parts), weights, torch.zeros_like(weights))
-    out = torch.einsum("sht,sthd->thd", weights, out_parts)
-    return out.to(dtype), lse

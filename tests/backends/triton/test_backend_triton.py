@@ -420,7 +420,7 @@ def test_max_seqlen_bounds_past_the_grid_are_clamped(monkeypatch):
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "gqa-packed"])
 def test_split_k_merge_with_every_option(pack_gqa):
     """Forced splits on a packed call with empty splits, masked rows, window, softcap and ALiBi."""
-    from jagged_sdpa.backends.triton.launch_rules import merge_splits
+    from jagged_sdpa.backends.triton.fwd import merge_splits
     from jagged_sdpa.backends.triton.fwd import launch_fwd
     from support.described_call import prepare_varlen
 
@@ -448,13 +448,65 @@ def test_split_k_merge_with_every_option(pack_gqa):
     assert (out_split - out).abs().max() > 0.1  # the mask did change the result
 
 
+def _merge_reference(out_parts, lse_parts, dtype):
+    """The torch merge the kernel replaced (12 ops), kept as its reference: empty splits (lse -inf)
+    weigh 0, a row empty in every split stays 0 with lse -inf."""
+    lse = torch.logsumexp(lse_parts, dim=0)
+    finite = torch.isfinite(lse)
+    weights = torch.exp(lse_parts - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(0))
+    weights = torch.where(torch.isfinite(lse_parts), weights, torch.zeros_like(weights))
+    out = torch.einsum("sht,sthd->thd", weights, out_parts)
+    return out.to(dtype), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("splits,dv", [(1, 16), (3, 24), (5, 16), (64, 8)], ids=["s1", "s3-dv24", "s5", "s64"])
+def test_merge_kernel_matches_the_torch_merge(splits, dv, dtype):
+    """``fwd.merge_splits`` (one kernel) against the torch formula on random partials: empty splits,
+    rows empty in every split, NaN and inf lses, NaN outs under finite and -inf lses, lses far
+    from 0, and strided partials."""
+    from jagged_sdpa.backends.triton.fwd import merge_splits
+
+    gen = torch.Generator().manual_seed(splits * 100 + dv)
+    total_q, heads = 7, 3
+    out_parts = torch.randn(splits, total_q, heads, dv, generator=gen)
+    lse_parts = torch.randn(splits, heads, total_q, generator=gen) * 4
+    lse_parts[:, :, 1] += 1000.0                                         # exp would overflow unshifted
+    lse_parts[torch.rand(lse_parts.shape, generator=gen) < 0.3] = float("-inf")  # empty splits
+    lse_parts[:, 0, 2] = float("-inf")                                    # a row empty in every split
+    out_parts[:, 2, 0] = 0.0                                              # (the kernel writes zeros there)
+    lse_parts[0, 1, 3] = float("nan")                                     # a NaN score
+    out_parts[0, 3, 1] = float("nan")
+    lse_parts[-1, 2, 4] = float("inf")
+    out_parts[-1, 5, 2, 0] = float("nan")                                 # a NaN value under a finite lse
+    lse_parts[-1, 2, 5] = 0.5
+    out_parts[0, 6, 1, 1] = float("nan")                                  # a NaN value under an empty split
+    lse_parts[0, 1, 6] = float("-inf")
+    cases = [(out_parts, lse_parts)]
+    # Strided partials: the kernel reads every stride.
+    cases.append((out_parts.transpose(1, 2).contiguous().transpose(1, 2),
+                  lse_parts.transpose(1, 2).contiguous().transpose(1, 2)))
+    for out_in, lse_in in cases:
+        out, lse = merge_splits(out_in.to(DEVICE), lse_in.to(DEVICE), dtype)
+        ref_out, ref_lse = _merge_reference(out_in, lse_in, dtype)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert out.shape == (total_q, heads, dv) and lse.shape == (heads, total_q)
+        torch.testing.assert_close(lse.cpu(), ref_lse, equal_nan=True, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(out.cpu(), ref_out, equal_nan=True)
+        assert torch.equal(out[2, 0].cpu(), torch.zeros(dv, dtype=dtype)) and lse[0, 2] == float("-inf")
+        assert lse.isnan().cpu().equal(ref_lse.isnan()) and out.isnan().cpu().equal(ref_out.isnan())
+    # No rows: nothing to launch.
+    out, lse = merge_splits(out_parts[:, :0].to(DEVICE), lse_parts[:, :, :0].to(DEVICE), dtype)
+    assert out.shape == (0, heads, dv) and lse.shape == (heads, 0)
+
+
 def test_paged_split_k_bounds_past_2_32(monkeypatch):
     """A loose paged max_seqlen_k of 2**32 + 3 (as the flash tests pass): the kernel's split bounds
     are int64 and sized by each sequence's keys (16 forced splits of the unclamped bound once wrapped
     in int32 and counted the keys twice, and sized by the bound they put every key in split 0), and
     the backend clamps the bound to the table's width x block size before planning."""
     from jagged_sdpa.backends.triton.fwd import launch_fwd
-    from jagged_sdpa.backends.triton.launch_rules import merge_splits
+    from jagged_sdpa.backends.triton.fwd import merge_splits
     from support.described_call import prepare_varlen
 
     lens_q, lens_k, hq, hkv, d = [1], [300], 2, 1, 16
@@ -863,7 +915,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     run = subprocess.run([sys.executable, "-m", "jagged_sdpa.backends.triton.compile_check", "--arch", "90",
                           "--quick"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK ") == 9, run.stdout  # the quick variants, the three fp8 decodings among them
+    assert run.stdout.count("OK ") == 10, run.stdout  # the quick variants: three fp8 decodings, the split-k merge
 
 
 # ---------------------------------------------------------------------------------------------------

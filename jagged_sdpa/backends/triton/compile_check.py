@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jagged_sdpa.backends.triton import bwd, fwd
+from jagged_sdpa.backends.triton import _common, bwd, fwd
 
 DATA_POINTERS = {"Q", "K", "V", "DO", "DQ"}
 OUT_POINTERS = {"Out", "DK", "DV"}  # may be float32 partials (split-k, backward group splits)
@@ -66,6 +66,7 @@ def variants(quick: bool, arch: int = 90):
            {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "BLOCK_T": 64, "IEEE": False}, 4, 1)
     yield ("split-k merge, bf16 out Dv96", fwd._merge_splits, "bf16", "bf16",
            {"HEAD_DIM_V": 96, "HEAD_DIM_V_PAD": 128, "MAX_S": fwd.MAX_SPLITS}, 1, 1)
+    yield ("sequence order, seqused_k", _common._sequence_order, "bf16", "bf16", {"HAS_SEQUSED": True, "BLOCK": 64}, 4, 1)
     if quick:
         return
     # Every default tile at the widest row it serves: what runs when autotuning is off.

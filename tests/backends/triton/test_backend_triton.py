@@ -500,6 +500,29 @@ def test_merge_kernel_matches_the_torch_merge(splits, dv, dtype):
     assert out.shape == (0, heads, dv) and lse.shape == (heads, 0)
 
 
+@pytest.mark.parametrize("batch", [1, 5, 150], ids=["b1", "b5", "b150"])
+@pytest.mark.parametrize("seqused", [False, True], ids=["cu-k", "seqused"])
+def test_sequence_order_kernel_is_a_stable_descending_argsort(batch, seqused):
+    """``sequence_order`` (one kernel) against argsort of Lq * (Lk + 1), ties by index: equal works,
+    empty sequences, more sequences than one program's block."""
+    from types import SimpleNamespace
+
+    from jagged_sdpa.backends.triton._common import sequence_order
+
+    gen = torch.Generator().manual_seed(batch)
+    lens_q = torch.randint(0, 3, (batch,), generator=gen)
+    lens_k = torch.randint(0, 4, (batch,), generator=gen)
+    used = torch.randint(0, 5, (batch,), generator=gen)
+    call = SimpleNamespace(cu_seqlens_q=cu_of(lens_q.tolist()).to(DEVICE), cu_seqlens_k=cu_of(lens_k.tolist()).to(DEVICE),
+                           seqused_k=used.to(torch.int32).to(DEVICE) if seqused else None)
+    work = lens_q * ((used if seqused else lens_k) + 1)
+    expected = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    order = sequence_order(call)
+    assert order.dtype == torch.int32 and torch.equal(order.cpu(), expected)
+    paged = SimpleNamespace(cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=None, seqused_k=used.to(torch.int32).to(DEVICE))
+    assert torch.equal(sequence_order(paged).cpu(), torch.argsort(lens_q * (used + 1), descending=True, stable=True).int())
+
+
 def test_paged_split_k_bounds_past_2_32(monkeypatch):
     """A loose paged max_seqlen_k of 2**32 + 3 (as the flash tests pass): the kernel's split bounds
     are int64 and sized by each sequence's keys (16 forced splits of the unclamped bound once wrapped
@@ -915,7 +938,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     run = subprocess.run([sys.executable, "-m", "jagged_sdpa.backends.triton.compile_check", "--arch", "90",
                           "--quick"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK ") == 10, run.stdout  # the quick variants: three fp8 decodings, the split-k merge
+    assert run.stdout.count("OK ") == 11, run.stdout  # quick variants: 3 fp8 decodings, split-k merge, sequence order
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Count what one TRITON paged decode call launches, on the CPU: aten ops and Triton kernel calls.
 
-``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_count.py [--accelerator-path] [--ops]``
+``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_count.py [--accelerator-path] [--step] [--ops]``
 
 Host time of a decode call is mostly launches, so their count is a proxy a CPU can measure.
 The call is bench_cuda's paged decode (B16, 32/8 heads, D128, contexts 1.5-2.5k, block 16), with
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator-path", action="store_true")
     parser.add_argument("--ops", action="store_true", help="list the aten ops")
+    parser.add_argument("--step", action="store_true", help="metadata updated in place before the counted call "
+                        "(a server's step): the batch is validated again, not found in the cache")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--shrink", type=int, default=1, help="contexts / this (the interpreter is slow); the "
                         "launches are the same while the split count is")
@@ -113,11 +115,15 @@ def main(argv=None) -> int:
                                             causal=True, backend="triton")
 
     call()  # imports, caches
+    if args.step:
+        for t in (cu_q, table, seqused):
+            t.add_(0)  # a new version: the call validates the batch again, as after a server's update
     counter = Counter()
     with _count_triton(counter), counter:
         call()
     splits = planned[-1]
     path = "accelerator path (device-side checks)" if args.accelerator_path else "cpu path (host checks)"
+    path += ", metadata updated in place" if args.step else ", same metadata as the last call"
     print(f"{path}, {splits} splits: aten ops {sum(counter.ops.values())}, "
           f"triton kernels {sum(counter.triton.values())}, "
           f"launching aten ops {sum(n for op, n in counter.ops.items() if op not in NO_LAUNCH)}")

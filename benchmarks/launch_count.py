@@ -1,13 +1,15 @@
 """Count what one TRITON paged decode call launches, on the CPU: aten ops and Triton kernel calls.
 
-``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_count.py [--accelerator-path] [--step] [--ops]``
+``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_count.py [--accelerator-path] [--step] [--ops]
+[--dim 16 --shrink 4]`` (the last two only make the interpreter faster: the launches are the same).
 
-Host time of a decode call is mostly launches, so their count is a proxy a CPU can measure.
-The call is bench_cuda's paged decode (B16, 32/8 heads, D128, contexts 1.5-2.5k, block 16), with
+Host time of a decode call is mostly launches, so their count is a proxy a CPU can measure. The
+call is bench_cuda's paged decode (B16, 32/8 heads, D128, contexts 1.5-2.5k, block 16) with an
 H200's split-K plan (264 programs wanted), along the path an unobserved call takes (no operator
-round trip). Aten ops made inside a Triton call (the interpreter's copies) are not counted. ``--accelerator-path`` makes the call as on a GPU with max lengths
-given: no host read of lengths, the device-side checks queued through their Triton kernels
-(the CPU otherwise reads and checks lengths on the host).
+round trip). Aten ops made inside a Triton call (the interpreter's copies) are not counted; one
+aten op may be several GPU kernels (logsumexp). ``--accelerator-path``: the call as on a GPU with
+max lengths given (no host read of lengths; device-side checks through their Triton kernels when
+the batch is validated); ``--step``: the metadata updated in place first, so it is validated again.
 """
 
 from __future__ import annotations

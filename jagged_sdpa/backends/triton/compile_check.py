@@ -69,6 +69,11 @@ def variants(quick: bool, arch: int = 90):
     yield ("sequence order, seqused_k", _common._sequence_order, "bf16", "bf16", {"HAS_SEQUSED": True, "BLOCK": 64}, 4, 1)
     if quick:
         return
+    for fp8, name in fp8_codes:  # each decoding into the other q dtypes (the dot runs in q's dtype)
+        for q_dtype in ("fp16", "fp32"):
+            yield (f"fwd paged {name} cache, {q_dtype} q D128", fwd._attn_fwd, q_dtype, "fp32",
+                   {**ALL_OFF, **_dims(128, 128), **paged_split, "FP8": fp8, "IEEE": q_dtype == "fp32",
+                    "BLOCK_M": 16, "BLOCK_N": 64}, 4, 2)
     # Every default tile at the widest row it serves: what runs when autotuning is off.
     widest = {256: ("bf16", 128), 512: ("bf16", 256)}
     for bm, bn, warps, stages in fwd.DEFAULT_TILES:

@@ -99,7 +99,7 @@ def _prepare(call: PackedCall, width: int,
     k = cc.kernel_ready(cc.pad_head_dim(call.k, width))
     v = cc.kernel_ready(cc.pad_head_dim(call.v, width))
     if call.spec.paged:
-        return q, k, v, (cu_k or cc.PerBatch(_paged_cu_k)).get(call)
+        return q, k, v, _paged_cu_k(call) if cu_k is None else cu_k.get(call)
     return q, k, v, call.cu_seqlens_k.contiguous()
 
 

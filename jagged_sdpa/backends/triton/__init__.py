@@ -44,10 +44,11 @@ def autotune_setting() -> bool:
 def _interpreted_state() -> Optional[bool]:
     """Whether the Triton functions already decorated in this process are interpreted; None when
     triton is not imported yet (the mode will be decided by the environment at import)."""
-    language = sys.modules.get("triton.language")
-    if language is None:
+    if "triton.language" not in sys.modules:
         return None
-    return type(language.cdiv).__name__ == "InterpretedFunction"  # ours follow it (mode.py)
+    from jagged_sdpa.backends.triton.mode import INTERPRETED  # triton is imported: this imports nothing new
+
+    return INTERPRETED
 
 
 @functools.cache

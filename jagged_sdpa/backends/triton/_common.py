@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from jagged_sdpa.backends import keyed_dropout
-
 from jagged_sdpa.backends.triton.mode import INTERPRETED, jit
 
 _INTERPRETED = tl.constexpr(INTERPRETED)  # a global a kernel may read

@@ -184,8 +184,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, BlockTableRow, stride_btn, b, offs_m, pos
 
 # Per-call integers that vary from step to step are not specialised (Triton would compile a new
 # variant whenever one becomes 1 or a multiple of 16): serving measured 1.8 s steps from that.
-@jit(do_not_specialize=["key_seed", "key_offset", "num_splits", "window_left", "window_right",
-                               "chunk_size", "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
+@jit(do_not_specialize=["key_seed", "key_offset", "num_splits", "window_left", "window_right", "chunk_size",
+                        "max_seqlen_q_bucket", "max_seqlen_k_bucket"])
 def _attn_fwd(
     Q, K, V, Out, Lse,                                   # tensors
     CuQ, CuK, SeqUsedK, BlockTable, Alibi, SeqOrder,     # int32 metadata, float32 slopes

@@ -22,7 +22,9 @@ int64 words) is timed beside them.
 GFLOP/s count attention honestly: 4 * D flops per visible (query, key) pair per head forward
 (causal pairs only: about half), forward+backward 3.5x the forward (the backward is 2.5x). Times
 are medians of rounds; the share of the GEMM rate sets our fastest round against the GEMM's
-fastest, so that a busy machine lowers neither side alone.
+fastest, so that a busy machine lowers neither side alone. Below the table, each row's fastest
+contender over ours round by round (both timed back to back in one round): the median, lowest and
+highest of those ratios, steadier than the ratio of medians when the machine's load moves.
 
 Disturbed rounds: the machine is shared. Each sample reads /proc/stat around the call; CPU time
 spent by other processes (system busy time minus this process's CPU time), beyond the CPUs our
@@ -488,6 +490,7 @@ class Row:
     slow: set
     notes: dict       # contender -> why it did not run, or its setup cost (flex)
     bests: dict = None  # contender -> fastest round (GEMM shares compare peaks with peaks)
+    samples: dict = None  # contender -> seconds per round, in round order (slow ones: their one call)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -582,7 +585,7 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         for name, s in round_samples.items():
             samples[name].append(s.seconds)
     medians = {n: statistics.median(s) for n, s in samples.items()}
-    return Row(w, medians, {}, errors, repeated, rounds, slow, notes, {n: min(s) for n, s in samples.items()})
+    return Row(w, medians, {}, errors, repeated, rounds, slow, notes, {n: min(s) for n, s in samples.items()}, samples)
 
 
 def _memory_child(w: Workload, name: str, threads: int) -> int:
@@ -848,6 +851,17 @@ def _gflops(r: Row, best: bool = False) -> float:
     return r.workload.flops() / (r.bests if best and r.bests else r.medians)["ours"] / 1e9
 
 
+def paired_ratio(r: Row, other: str) -> Optional[tuple[float, float, float]]:
+    """other's time over ours round by round (both timed in the same round, back to back): the
+    median, lowest and highest of those ratios, or None when other was not timed every round. On a
+    shared machine a busy spell slows both calls of a round, so the per-round ratio moves less than
+    either median."""
+    if not r.samples or other in r.slow or len(r.samples.get(other, ())) != len(r.samples["ours"]):
+        return None
+    ratios = sorted(o / ours for o, ours in zip(r.samples[other], r.samples["ours"]))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
 def print_table(rows: list[Row], gemm: Optional[Gemm]) -> None:
     print("| workload | kernel path | ISA / tile | ours ms | GFLOP/s | best GFLOP/s (% of GEMM) | NJT SDPA | padded+mask | loop | "
           "bucketed | flex | best contender | best/ours | peak MiB ours / loop | repeated rounds |")
@@ -862,6 +876,11 @@ def print_table(rows: list[Row], gemm: Optional[Gemm]) -> None:
               f"{_ms(m.get('padded'))} | {_ms(m.get('loop'))} | {_ms(m.get('bucketed'))} | {_ms(m.get('flex'))} | "
               f"{best} | {best_s / m['ours']:.2f}x | {mem} | {r.repeated} |")
     for r in rows:
+        best = _best_contender(r)[0]
+        paired = paired_ratio(r, best)
+        if paired is not None:
+            print(f"# {_label(r.workload)}: {best}/ours round by round: median {paired[0]:.2f}x "
+                  f"(lowest {paired[1]:.2f}x, highest {paired[2]:.2f}x, {len(r.samples['ours'])} rounds)")
         if "kv_read" in r.medians:
             print(f"# {_label(r.workload)}: reading its K/V once (int64 word sums) {_ms(r.medians['kv_read'])} ms, "
                   f"ours {r.medians['ours'] / r.medians['kv_read']:.2f}x that")

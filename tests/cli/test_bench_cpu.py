@@ -60,12 +60,24 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys, monkeypatch):
     assert re.search(r"^# W4 bfloat16 fwd: reading its K/V once", out, re.M), out
     assert re.search(r"^# W4 fwd: reading its K/V once \(int64 word sums\) [\d.]+ ms, ours [\d.]+x that$", out,
                      re.M), out
+    assert re.search(r"^# W4 fwd: \w+/ours round by round: median [\d.]+x \(lowest [\d.]+x, highest [\d.]+x, 3 rounds\)$",
+                     out, re.M), out
     assert "| dense SDPA |" in out
     for target in ("W4 decode <= 2x reading its K/V", "W4 bf16 decode <= 1.5x reading its K/V (issue 22)",
                    "tiny varlen <= 3x one dense SDPA call",
                    "tiny sdpa <= 1/20 of NJT SDPA's time", "every row >= 1.0x the fastest contender"):
         assert re.search(rf"^\| {re.escape(target)} \| .+ \| (met|unmet) \|$", out, re.M), (target, out[-2000:])
     assert "W1 fp32 fwd" not in out  # W1 was not run: its target is left out, not guessed
+
+
+def test_paired_ratio_divides_round_by_round_and_skips_contenders_timed_once():
+    bench = _bench()
+    row = bench.Row(bench.W1, {"ours": 2.0, "loop": 3.0, "njt": 9.0}, {}, {}, 0, 4, {"njt"}, {}, None,
+                    {"ours": [1.0, 2.0, 4.0, 2.0], "loop": [1.5, 2.4, 8.0, 2.2], "njt": [9.0]})
+    # per round 1.5, 1.2, 2.0, 1.1: the median of the rounds, not the ratio of the medians (3.0 / 2.0)
+    assert bench.paired_ratio(row, "loop") == pytest.approx((1.35, 1.1, 2.0))
+    assert bench.paired_ratio(row, "njt") is None  # slow: timed once, no round to pair with
+    assert bench.paired_ratio(row, "padded") is None  # not run
 
 
 def test_flops_count_visible_pairs_and_targets_compare_with_the_bounds():

@@ -489,8 +489,12 @@ class Row:
     rounds: int
     slow: set
     notes: dict       # contender -> why it did not run, or its setup cost (flex)
-    bests: dict = None  # contender -> fastest round (GEMM shares compare peaks with peaks)
     samples: dict = None  # contender -> seconds per round, in round order (slow ones: their one call)
+
+    @property
+    def bests(self) -> Optional[dict]:
+        """contender -> fastest round (GEMM shares compare peaks with peaks)."""
+        return {n: min(s) for n, s in self.samples.items()} if self.samples else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -585,7 +589,7 @@ def run_workload(w: Workload, rounds: int, min_sample_s: float, max_retries: int
         for name, s in round_samples.items():
             samples[name].append(s.seconds)
     medians = {n: statistics.median(s) for n, s in samples.items()}
-    return Row(w, medians, {}, errors, repeated, rounds, slow, notes, {n: min(s) for n, s in samples.items()}, samples)
+    return Row(w, medians, {}, errors, repeated, rounds, slow, notes, samples)
 
 
 def _memory_child(w: Workload, name: str, threads: int) -> int:

@@ -102,9 +102,8 @@ def aten_ops(fn):
     for _ in range(2):  # the operator path builds its own runner on its first call
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-    names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None
-             or (e.name.startswith("aten::") and e.cpu_parent is not None and not e.cpu_parent.name.startswith("aten::"))]
-    return names
+    return [e.name for e in prof.events()
+            if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
 
 
 def main():

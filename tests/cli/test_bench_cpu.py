@@ -72,7 +72,7 @@ def test_quick_run_prints_machine_gemm_rows_and_targets(capsys, monkeypatch):
 
 def test_paired_ratio_divides_round_by_round_and_skips_contenders_timed_once():
     bench = _bench()
-    row = bench.Row(bench.W1, {"ours": 2.0, "loop": 3.0, "njt": 9.0}, {}, {}, 0, 4, {"njt"}, {}, None,
+    row = bench.Row(bench.W1, {"ours": 2.0, "loop": 3.0, "njt": 9.0}, {}, {}, 0, 4, {"njt"}, {},
                     {"ours": [1.0, 2.0, 4.0, 2.0], "loop": [1.5, 2.4, 8.0, 2.2], "njt": [9.0]})
     # per round 1.5, 1.2, 2.0, 1.1: the median of the rounds, not the ratio of the medians (3.0 / 2.0)
     assert bench.paired_ratio(row, "loop") == pytest.approx((1.35, 1.1, 2.0))
